@@ -1,0 +1,189 @@
+// Python bindings of the C++ core (module shmvec._core). The only file that
+// includes pybind11. Every call that can block releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <csignal>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+
+#include <sys/prctl.h>
+
+#include "barrier.h"
+#include "futex.h"
+#include "segment.h"
+
+namespace py = pybind11;
+using shmvec::BarrierWords;
+using shmvec::Command;
+using shmvec::Segment;
+using shmvec::StepBarrier;
+using shmvec::WaitStatus;
+
+namespace {
+
+// A word of the segment at `offset`, checked to lie inside it and be aligned.
+std::atomic<uint32_t>* word_at(const Segment& segment, size_t offset) {
+  if (segment.data() == nullptr) throw std::runtime_error("segment is closed");
+  if (offset % 4 != 0 || offset + 4 > segment.size()) {
+    throw py::value_error("offset " + std::to_string(offset) +
+                          " is not an aligned word inside the segment");
+  }
+  return reinterpret_cast<std::atomic<uint32_t>*>(segment.data() + offset);
+}
+
+void check_wait(WaitStatus status) {
+  if (status == WaitStatus::kError) {
+    throw std::system_error(errno, std::generic_category(), "futex wait");
+  }
+}
+
+// StepBarrier that keeps a reference to the Python Segment owning its words.
+struct PyBarrier {
+  PyBarrier(py::object segment_obj, size_t offset, uint32_t num_workers)
+      : segment(std::move(segment_obj)),
+        barrier(reinterpret_cast<BarrierWords*>(
+                    checked_words(segment.cast<Segment&>(), offset)),
+                num_workers) {}
+
+  static uint8_t* checked_words(Segment& seg, size_t offset) {
+    if (offset % alignof(BarrierWords) != 0 ||
+        offset + sizeof(BarrierWords) > seg.size()) {
+      throw py::value_error("barrier offset out of the segment or misaligned");
+    }
+    return seg.data() + offset;
+  }
+
+  py::object segment;
+  StepBarrier barrier;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "shmvec's C++ core: shared segment, futexes and the step barrier.";
+
+  py::class_<Segment>(m, "Segment", py::buffer_protocol(), R"doc(
+A shared-memory segment (anonymous memfd, mapped MAP_SHARED).
+
+The mapping lives as long as this object and every memoryview/ndarray made
+from it; `close_fd()` only drops the fd.
+)doc")
+      .def_static("create", &Segment::create, py::arg("size"),
+                  "Creates a zero-filled segment of `size` bytes.")
+      .def_static("attach", &Segment::attach, py::arg("fd"),
+                  "Maps the segment behind `fd` and checks its header.")
+      .def_property_readonly("size", &Segment::size)
+      .def_property_readonly("fd", &Segment::fd)
+      .def_property_readonly(
+          "address", [](const Segment& s) { return uintptr_t(s.data()); })
+      .def_property_readonly(
+          "creator_pid", [](const Segment& s) { return s.header().creator_pid; })
+      .def("close_fd", &Segment::close_fd)
+      .def_buffer([](Segment& s) {
+        return py::buffer_info(s.data(), 1, py::format_descriptor<uint8_t>::format(),
+                               1, {s.size()}, {1});
+      });
+
+  py::enum_<WaitStatus>(m, "WaitStatus")
+      .value("READY", WaitStatus::kReady)
+      .value("TIMED_OUT", WaitStatus::kTimedOut);
+
+  py::class_<PyBarrier>(m, "StepBarrier", R"doc(
+One command at a time from the main process to `num_workers` workers; see
+csrc/barrier.h for the protocol. Times are in nanoseconds; a negative
+timeout waits for ever.
+)doc")
+      .def(py::init<py::object, size_t, uint32_t>(), py::arg("segment"),
+           py::arg("offset"), py::arg("num_workers"))
+      .def_property_readonly_static(
+          "nbytes", [](py::object) { return sizeof(BarrierWords); })
+      .def("post",
+           [](PyBarrier& b, uint32_t kind, uint32_t arg) { b.barrier.post(kind, arg); },
+           py::arg("kind"), py::arg("arg") = 0)
+      .def(
+          "wait_done",
+          [](PyBarrier& b, int64_t spin_ns, int64_t timeout_ns) {
+            WaitStatus s;
+            {
+              py::gil_scoped_release release;
+              s = b.barrier.wait_done(spin_ns, timeout_ns);
+            }
+            check_wait(s);
+            return s == WaitStatus::kReady;
+          },
+          py::arg("spin_ns"), py::arg("timeout_ns"),
+          "True once every worker arrived, False on timeout.")
+      .def("arrived", [](PyBarrier& b) { return b.barrier.arrived(); })
+      .def(
+          "wait_command",
+          [](PyBarrier& b, uint32_t last_generation, int64_t spin_ns,
+             int64_t timeout_ns) -> py::object {
+            Command c{};
+            WaitStatus s;
+            {
+              py::gil_scoped_release release;
+              s = b.barrier.wait_command(last_generation, spin_ns, timeout_ns, &c);
+            }
+            check_wait(s);
+            if (s != WaitStatus::kReady) return py::none();
+            return py::make_tuple(c.generation, c.kind, c.arg);
+          },
+          py::arg("last_generation"), py::arg("spin_ns"), py::arg("timeout_ns"),
+          "(generation, kind, arg) of the next command, or None on timeout.")
+      .def("arrive", [](PyBarrier& b) { b.barrier.arrive(); });
+
+  // Raw word operations, for tests of the futex layer across processes.
+  m.def(
+      "futex_wait",
+      [](const Segment& s, size_t offset, uint32_t expected, int64_t timeout_ns) {
+        auto* w = word_at(s, offset);
+        shmvec::FutexResult r;
+        {
+          py::gil_scoped_release release;
+          r = shmvec::futex_wait(w, expected, timeout_ns);
+        }
+        switch (r) {
+          case shmvec::FutexResult::kWoken: return std::string("woken");
+          case shmvec::FutexResult::kValueChanged: return std::string("value_changed");
+          case shmvec::FutexResult::kTimedOut: return std::string("timed_out");
+          case shmvec::FutexResult::kInterrupted: return std::string("interrupted");
+          default: throw std::system_error(errno, std::generic_category(), "futex_wait");
+        }
+      },
+      py::arg("segment"), py::arg("offset"), py::arg("expected"), py::arg("timeout_ns"));
+  m.def(
+      "futex_wake",
+      [](const Segment& s, size_t offset, int count) {
+        int n = shmvec::futex_wake(word_at(s, offset), count);
+        if (n < 0) throw std::system_error(errno, std::generic_category(), "futex_wake");
+        return n;
+      },
+      py::arg("segment"), py::arg("offset"), py::arg("count"));
+  m.def(
+      "atomic_load",
+      [](const Segment& s, size_t offset) { return word_at(s, offset)->load(); },
+      py::arg("segment"), py::arg("offset"));
+  m.def(
+      "atomic_store",
+      [](const Segment& s, size_t offset, uint32_t v) { word_at(s, offset)->store(v); },
+      py::arg("segment"), py::arg("offset"), py::arg("value"));
+  m.def(
+      "atomic_fetch_add",
+      [](const Segment& s, size_t offset, uint32_t v) {
+        return word_at(s, offset)->fetch_add(v);
+      },
+      py::arg("segment"), py::arg("offset"), py::arg("value"));
+  m.def("monotonic_ns", &shmvec::monotonic_ns);
+  m.def(
+      "set_parent_death_signal",
+      [](int sig) {
+        if (prctl(PR_SET_PDEATHSIG, sig) != 0) {
+          throw std::system_error(errno, std::generic_category(), "prctl(PR_SET_PDEATHSIG)");
+        }
+      },
+      py::arg("signal"),
+      "Asks the kernel to send `signal` to this process when its parent dies.");
+}

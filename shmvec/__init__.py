@@ -1,0 +1,12 @@
+"""shmvec: gymnasium vector environments over shared memory and futexes.
+
+``ShmVectorEnv`` is a drop-in replacement for ``gymnasium.vector.AsyncVectorEnv``;
+``make_vec`` is ``gymnasium.make_vec`` building one.
+"""
+
+from shmvec.errors import WorkerDiedError
+from shmvec.registration import make_vec
+from shmvec.vector_env import ShmVectorEnv
+
+__all__ = ["ShmVectorEnv", "WorkerDiedError", "make_vec"]
+__version__ = "0.1.0"

@@ -1,0 +1,40 @@
+"""Exceptions of shmvec. Misuse of the vector env API raises gymnasium's own
+errors (``AlreadyPendingCallError``, ``NoAsyncCallError``,
+``ClosedEnvironmentError``); these cover what gymnasium has no error for."""
+
+from __future__ import annotations
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited while the main process waited for it.
+
+    Attributes:
+        worker: the worker's index.
+        env_ids: the envs it owned.
+        exitcode: its exit status; negative for a signal, as in multiprocessing.
+    """
+
+    def __init__(self, worker: int, env_ids: range, exitcode: int | None, pid: int | None) -> None:
+        import signal
+
+        if exitcode is not None and exitcode < 0:
+            try:
+                how = f"killed by signal {signal.Signals(-exitcode).name}"
+            except ValueError:
+                how = f"killed by signal {-exitcode}"
+        else:
+            how = f"exited with code {exitcode}"
+        super().__init__(
+            f"shmvec worker {worker} (pid {pid}, envs {env_ids.start}..{env_ids.stop - 1}) {how}"
+        )
+        self.worker = worker
+        self.env_ids = env_ids
+        self.exitcode = exitcode
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (where it is only stored)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]

@@ -1,0 +1,353 @@
+"""From gymnasium spaces to fixed-size columns in the shared segment.
+
+Every leaf space whose values have a fixed size gets a *column*: an array with
+one row per env. Dict and Tuple spaces are trees of columns. A space that
+cannot be fixed-size (Graph, Sequence, OneOf, custom spaces), or any space
+when ``shared_memory=False``, is *pickled*: its per-env values travel on the
+slow channel (the worker's pipe) and are batched with gymnasium's own
+``concatenate``, so they are never silently wrong.
+
+A codec knows one space; ``SegmentLayout`` places the columns of the action
+slab and of every ring slot in the segment.
+
+Example:
+    >>> import numpy as np
+    >>> from gymnasium.spaces import Box, Dict, Discrete
+    >>> codec = make_codec(Dict(pos=Box(-1, 1, (2,)), k=Discrete(3)))
+    >>> [c.shape for c in codec.columns()]
+    [(2,), ()]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector.utils import concatenate, create_empty_array, iterate
+
+CACHE_LINE = 64
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """One fixed-size field: ``dtype`` and per-env ``shape``."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+
+class Codec:
+    """Moves the values of one space between Python objects and columns.
+
+    Column views are arrays of shape ``(rows, *spec.shape)``; ``views`` is the
+    list of them in ``columns()`` order, consumed from the front by each codec.
+    """
+
+    pickled = False
+
+    def columns(self) -> list[ColumnSpec]:
+        return []
+
+    def write(self, views: list[np.ndarray], row: int, value: Any) -> None:
+        """[worker] Stores one env's value at ``row``."""
+        raise NotImplementedError
+
+    def read_batch(self, views: list[np.ndarray], copy: bool) -> Any:
+        """[main] The batched value of all rows, as gymnasium batches it."""
+        raise NotImplementedError
+
+    def write_batch(self, views: list[np.ndarray], value: Any) -> None:
+        """[main] Stores a batched value (actions), checking shape and dtype."""
+        raise NotImplementedError
+
+    def read(self, views: list[np.ndarray], row: int) -> Any:
+        """[worker] One env's value (an action), as a private copy."""
+        raise NotImplementedError
+
+
+class ArrayCodec(Codec):
+    """Box, Discrete, MultiDiscrete and MultiBinary: one column."""
+
+    def __init__(self, space: spaces.Space, path: str) -> None:
+        self.space = space
+        self.path = path
+        self.spec = ColumnSpec(np.dtype(space.dtype), tuple(space.shape))
+
+    def columns(self) -> list[ColumnSpec]:
+        return [self.spec]
+
+    def write(self, views, row, value):
+        if type(value) is np.ndarray and value.shape != self.spec.shape:
+            raise ValueError(
+                f"observation{self.path} has shape {value.shape}, but its space "
+                f"{self.space} has shape {self.spec.shape}"
+            )
+        views[0][row] = value
+
+    def read_batch(self, views, copy):
+        return views[0].copy() if copy else views[0]
+
+    def write_batch(self, views, value):
+        out = views[0]
+        array = np.asarray(value)
+        if array.shape != out.shape:
+            raise ValueError(
+                f"actions{self.path} have shape {array.shape}, expected {out.shape} "
+                f"for the batched action space {self.space} over {out.shape[0]} envs"
+            )
+        if not np.can_cast(array.dtype, out.dtype, casting="same_kind"):
+            raise TypeError(
+                f"actions{self.path} have dtype {array.dtype}, which cannot be cast "
+                f"safely to the action space's dtype {out.dtype}"
+            )
+        np.copyto(out, array, casting="same_kind")
+
+    def read(self, views, row):
+        value = views[0][row]
+        # Rows of a shaped column are views of the slab: hand out a copy, as
+        # gymnasium hands each env its own pickled copy.
+        return value.copy() if self.spec.shape else value
+
+
+class TextCodec(Codec):
+    """Text as fixed-length int32 character codes, padded with -1."""
+
+    def __init__(self, space: spaces.Text, path: str) -> None:
+        self.space = space
+        self.path = path
+        self.charset = list(space.character_list)
+        self.codes = {c: i for i, c in enumerate(self.charset)}
+
+    def columns(self):
+        return [ColumnSpec(np.dtype(np.int32), (self.space.max_length,))]
+
+    def write(self, views, row, value):
+        if len(value) > self.space.max_length:
+            raise ValueError(
+                f"text{self.path} {value!r} is longer than its space's "
+                f"max_length={self.space.max_length}"
+            )
+        try:
+            codes = [self.codes[c] for c in value]
+        except KeyError as e:
+            raise ValueError(
+                f"text{self.path} {value!r} has character {e.args[0]!r}, not in the "
+                f"space's charset"
+            ) from None
+        out = views[0][row]
+        out[: len(codes)] = codes
+        out[len(codes) :] = -1
+
+    def _decode(self, codes: np.ndarray) -> str:
+        charset = self.charset
+        return "".join(charset[c] for c in codes.tolist() if c >= 0)
+
+    def read_batch(self, views, copy):
+        return tuple(self._decode(row) for row in views[0])
+
+    def write_batch(self, views, value):
+        if len(value) != views[0].shape[0]:
+            raise ValueError(f"actions{self.path}: expected {views[0].shape[0]} texts")
+        for row, text in enumerate(value):
+            self.write(views, row, text)
+
+    def read(self, views, row):
+        return self._decode(views[0][row])
+
+
+class DictCodec(Codec):
+    def __init__(self, space: spaces.Dict, path: str, children: dict[str, Codec]) -> None:
+        self.space = space
+        self.path = path
+        self.children = children
+        self.widths = [len(c.columns()) for c in children.values()]
+
+    def columns(self):
+        return [spec for child in self.children.values() for spec in child.columns()]
+
+    def _split(self, views):
+        start = 0
+        for (key, child), width in zip(self.children.items(), self.widths):
+            yield key, child, views[start : start + width]
+            start += width
+
+    def write(self, views, row, value):
+        for key, child, sub in self._split(views):
+            child.write(sub, row, value[key])
+
+    def read_batch(self, views, copy):
+        return {key: child.read_batch(sub, copy) for key, child, sub in self._split(views)}
+
+    def write_batch(self, views, value):
+        for key, child, sub in self._split(views):
+            child.write_batch(sub, value[key])
+
+    def read(self, views, row):
+        return {key: child.read(sub, row) for key, child, sub in self._split(views)}
+
+
+class TupleCodec(DictCodec):
+    def __init__(self, space: spaces.Tuple, path: str, children: list[Codec]) -> None:
+        super().__init__(space, path, dict(enumerate(children)))
+
+    def read_batch(self, views, copy):
+        return tuple(super().read_batch(views, copy).values())
+
+    def read(self, views, row):
+        return tuple(super().read(views, row).values())
+
+
+class PickledCodec(Codec):
+    """A space without fixed-size values: per-env values go through the pipe.
+
+    ``write``/``read`` use a plain list of per-env values instead of columns.
+    """
+
+    pickled = True
+
+    def __init__(self, space: spaces.Space) -> None:
+        self.space = space
+
+    def write(self, views, row, value):
+        views[row] = value
+
+    def read_batch(self, values, copy):
+        n = len(values)
+        return concatenate(self.space, values, create_empty_array(self.space, n))
+
+    def write_batch(self, values, value):
+        items = list(iterate(_batched(self.space, len(values)), value))
+        if len(items) != len(values):
+            raise ValueError(f"expected {len(values)} actions, got {len(items)}")
+        values[:] = items
+
+    def read(self, values, row):
+        return values[row]
+
+
+def _batched(space: spaces.Space, n: int) -> spaces.Space:
+    from gymnasium.vector.utils import batch_space
+
+    return batch_space(space, n)
+
+
+def is_fixed_size(space: spaces.Space) -> bool:
+    """True when every leaf of ``space`` can live in a column."""
+    if isinstance(space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete)):
+        return True
+    if isinstance(space, (spaces.MultiBinary, spaces.Text)):
+        return True
+    if isinstance(space, spaces.Dict):
+        return all(is_fixed_size(s) for s in space.spaces.values())
+    if isinstance(space, spaces.Tuple):
+        return all(is_fixed_size(s) for s in space.spaces)
+    return False
+
+
+def make_codec(space: spaces.Space, shared_memory: bool = True) -> Codec:
+    """The codec for ``space``: columns if it is fixed-size, else pickled."""
+    if not shared_memory or not is_fixed_size(space):
+        return PickledCodec(space)
+    return _make_fixed(space, "")
+
+
+def _make_fixed(space: spaces.Space, path: str) -> Codec:
+    if isinstance(space, spaces.Dict):
+        return DictCodec(
+            space, path, {k: _make_fixed(s, f"{path}[{k!r}]") for k, s in space.spaces.items()}
+        )
+    if isinstance(space, spaces.Tuple):
+        return TupleCodec(
+            space, path, [_make_fixed(s, f"{path}[{i}]") for i, s in enumerate(space.spaces)]
+        )
+    if isinstance(space, spaces.Text):
+        return TextCodec(space, path)
+    return ArrayCodec(space, path)
+
+
+def _align(offset: int, alignment: int = CACHE_LINE) -> int:
+    return (offset + alignment - 1) // alignment * alignment
+
+
+class SegmentLayout:
+    """Byte offsets of every region of the segment.
+
+    ``header | barrier | worker words | action slab | ring slot 0 .. D-1``,
+    each region and each column starting on its own cache line. A ring slot
+    holds the observation columns, rewards (float64), terminations and
+    truncations (uint8) for every env.
+
+    Built identically in the main process and in each worker from the same
+    arguments, so only the arguments travel to the workers.
+    """
+
+    HEADER_BYTES = CACHE_LINE
+
+    def __init__(
+        self,
+        num_envs: int,
+        num_workers: int,
+        barrier_bytes: int,
+        action_columns: list[ColumnSpec],
+        obs_columns: list[ColumnSpec],
+        ring_depth: int,
+    ) -> None:
+        if ring_depth < 2:
+            raise ValueError(f"ring_depth must be >= 2, got {ring_depth}")
+        self.num_envs = num_envs
+        self.num_workers = num_workers
+        self.ring_depth = ring_depth
+        offset = self.HEADER_BYTES
+        self.barrier_offset = offset = _align(offset)
+        offset += barrier_bytes
+        # One uint32 per worker, each on its own line: "a message follows".
+        self.worker_words_offset = offset = _align(offset)
+        offset += num_workers * CACHE_LINE
+        self.action_offsets, offset = self._place(offset, action_columns)
+        self.action_columns = action_columns
+        self.obs_columns = obs_columns
+        slot_columns = [
+            *obs_columns,
+            ColumnSpec(np.dtype(np.float64), ()),
+            ColumnSpec(np.dtype(np.uint8), ()),
+            ColumnSpec(np.dtype(np.uint8), ()),
+        ]
+        self.slot_columns = slot_columns
+        self.slot_offsets = []
+        for _ in range(ring_depth):
+            offsets, offset = self._place(offset, slot_columns)
+            self.slot_offsets.append(offsets)
+        self.total_bytes = _align(offset, 4096)
+
+    def _place(self, offset: int, columns: list[ColumnSpec]) -> tuple[list[int], int]:
+        offsets = []
+        for spec in columns:
+            offset = _align(offset)
+            offsets.append(offset)
+            offset += self.num_envs * spec.dtype.itemsize * math.prod(spec.shape)
+        return offsets, offset
+
+    def _views(self, buffer, offsets, columns) -> list[np.ndarray]:
+        return [
+            np.ndarray((self.num_envs, *spec.shape), spec.dtype, buffer=buffer, offset=off)
+            for off, spec in zip(offsets, columns)
+        ]
+
+    def worker_words(self, buffer) -> np.ndarray:
+        """uint32 flags, one per worker (stride of one cache line)."""
+        words = np.ndarray(
+            (self.num_workers, CACHE_LINE // 4), np.uint32, buffer=buffer,
+            offset=self.worker_words_offset,
+        )
+        return words[:, 0]
+
+    def action_views(self, buffer) -> list[np.ndarray]:
+        return self._views(buffer, self.action_offsets, self.action_columns)
+
+    def slot_views(self, buffer, slot: int) -> tuple[list[np.ndarray], np.ndarray, ...]:
+        """(obs column views, rewards, terminations, truncations) of one slot."""
+        views = self._views(buffer, self.slot_offsets[slot], self.slot_columns)
+        return views[:-3], views[-3], views[-2], views[-1]

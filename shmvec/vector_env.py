@@ -1,0 +1,685 @@
+"""ShmVectorEnv: gymnasium's AsyncVectorEnv, over one shared-memory segment.
+
+Example:
+    >>> import gymnasium as gym
+    >>> import shmvec
+    >>> envs = shmvec.ShmVectorEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2)
+    >>> obs, infos = envs.reset(seed=42)
+    >>> obs.shape
+    (4, 4)
+    >>> obs, rewards, terminations, truncations, infos = envs.step(envs.action_space.sample())
+    >>> envs.close()
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+from gymnasium import logger
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium.vector.async_vector_env import AsyncState
+from gymnasium.vector.utils import batch_differing_spaces, batch_space
+from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
+
+from shmvec import _core
+from shmvec.errors import WorkerDiedError, add_note
+from shmvec.layout import SegmentLayout, make_codec
+from shmvec.spin import available_cpus, default_spin_ns
+from shmvec.worker import (
+    CALL,
+    CLOSE,
+    RESET,
+    SET_ATTR,
+    STEP,
+    SegmentFd,
+    WorkerSpec,
+    _layout_args,
+    worker_main,
+)
+
+_AUTORESET_CODES = {AutoresetMode.NEXT_STEP: 0, AutoresetMode.SAME_STEP: 1, AutoresetMode.DISABLED: 2}
+
+#: The main process checks that its workers are alive this often while it waits.
+LIVENESS_CHECK_S = 0.1
+#: How long close() gives workers to close their envs, and SIGTERM to act.
+CLOSE_GRACE_S = 5.0
+
+
+class ShmVectorEnv(VectorEnv):
+    """Runs ``env_fns`` in worker processes; results come back through shared memory.
+
+    The constructor takes ``gymnasium.vector.AsyncVectorEnv``'s arguments in the
+    same order, plus keyword-only tuning arguments, and the object behaves as
+    ``AsyncVectorEnv`` / ``SyncVectorEnv`` do: same spaces, same results for the
+    same seeds and actions, same autoreset modes, infos and errors.
+
+    Each worker owns a contiguous block of envs. Actions are written into an
+    action slab, observations, rewards and done flags into a ring of
+    ``ring_depth`` result slots, all typed columns of one memfd segment; a
+    futex barrier replaces the pipes. Only infos, errors, ``call`` results and
+    spaces without a fixed size are pickled, and only when there is one.
+
+    Args:
+        env_fns: zero-argument callables, each creating one env.
+        shared_memory: if False, observations are pickled (every space works,
+            slower), as in AsyncVectorEnv.
+        copy: if True, ``reset``/``step`` return copies. If False they return
+            views of the result ring: an array returned by a call stays valid
+            for ``ring_depth - 1`` further ``step``/``reset`` calls.
+        context: multiprocessing start method (``"fork"``, ``"spawn"``,
+            ``"forkserver"``, or None for Python's default).
+        daemon: whether workers are daemonic.
+        worker: must be None: shmvec runs its own worker loop.
+        observation_mode: ``"same"``, ``"different"`` or a ``(batched, single)``
+            tuple of spaces, as in AsyncVectorEnv.
+        autoreset_mode: an ``AutoresetMode`` or its string value.
+        max_concurrency: at most this many envs inside ``reset``/``step`` at once;
+            shmvec honours it by running at most that many workers (each worker
+            steps its envs one after another).
+        num_workers: worker processes; default ``min(num_envs, cpus)``.
+        ring_depth: result slots in the ring (>= 2).
+        spin_ns: how long a waiter spins before it sleeps; default from
+            ``shmvec.spin.default_spin_ns``.
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], gym.Env]],
+        shared_memory: bool = True,
+        copy: bool = True,
+        context: str | None = None,
+        daemon: bool = True,
+        worker: Callable | None = None,
+        observation_mode: str | gym.Space = "same",
+        autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        max_concurrency: int | None = None,
+        *,
+        num_workers: int | None = None,
+        ring_depth: int = 2,
+        spin_ns: int | None = None,
+    ) -> None:
+        self.closed = True  # until the workers are up; close() is then a no-op
+        env_fns = _check_env_fns(env_fns)
+        self.env_fns = env_fns
+        self.shared_memory = shared_memory
+        self.copy = copy
+        self.context = context
+        self.daemon = daemon
+        self.worker = worker
+        self.observation_mode = observation_mode
+        self.autoreset_mode = (
+            autoreset_mode
+            if isinstance(autoreset_mode, AutoresetMode)
+            else AutoresetMode(autoreset_mode)
+        )
+        self.max_concurrency = _check_max_concurrency(max_concurrency)
+        if worker is not None:
+            raise ValueError(
+                "ShmVectorEnv runs its own worker loop over shared memory and cannot use a "
+                "custom `worker`; use gymnasium.vector.AsyncVectorEnv for that."
+            )
+        self.num_envs = len(env_fns)
+
+        dummy_env = env_fns[0]()
+        self.metadata = dict(dummy_env.metadata)
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = dummy_env.render_mode
+        self.single_action_space = dummy_env.action_space
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self._set_observation_spaces(dummy_env, observation_mode)
+        dummy_env.close()
+        del dummy_env
+
+        if num_workers is None:
+            num_workers = min(self.num_envs, available_cpus())
+        if self.max_concurrency is not None:
+            num_workers = min(num_workers, self.max_concurrency)
+        if not 1 <= num_workers <= self.num_envs:
+            raise ValueError(
+                f"num_workers must be between 1 and num_envs={self.num_envs}, got {num_workers}"
+            )
+        self.num_workers = num_workers
+        self.ring_depth = ring_depth
+        self._spin_ns = default_spin_ns(num_workers) if spin_ns is None else int(spin_ns)
+        self._obs_codec = make_codec(self.single_observation_space, shared_memory)
+        self._action_codec = make_codec(self.single_action_space)
+        self._state = AsyncState.DEFAULT
+        self._unfinished_round = False
+        self._slot = 0
+        self._workers: list = []
+        self._pipes: list = []
+        self._segment = None
+        self._start(env_fns)
+        self.closed = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _set_observation_spaces(self, dummy_env: gym.Env, observation_mode) -> None:
+        if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
+            batched, single = observation_mode
+            if not (isinstance(batched, gym.Space) and isinstance(single, gym.Space)):
+                raise TypeError(
+                    "observation_mode as a tuple must be (batched space, single space), got "
+                    f"{observation_mode!r}"
+                )
+            self.observation_space, self.single_observation_space = batched, single
+        elif observation_mode == "same":
+            self.single_observation_space = dummy_env.observation_space
+            self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        elif observation_mode == "different":
+            self.single_observation_space = dummy_env.observation_space
+            spaces = [dummy_env.observation_space] + [
+                fn().observation_space for fn in self.env_fns[1:]
+            ]
+            self.observation_space = batch_differing_spaces(spaces)
+        else:
+            raise ValueError(
+                "Invalid `observation_mode`, expected: 'same' or 'different' or tuple of single "
+                f"and batch observation space, actual got {observation_mode}"
+            )
+
+    def _start(self, env_fns: list) -> None:
+        layout_spec = self._worker_spec(0, 0, [])
+        self._layout = SegmentLayout(*_layout_args(layout_spec))
+        try:
+            self._segment = _core.Segment.create(self._layout.total_bytes)
+            buffer = memoryview(self._segment)
+            self._barrier = _core.StepBarrier(
+                self._segment, self._layout.barrier_offset, self.num_workers
+            )
+            self._message_flags = self._layout.worker_words(buffer)
+            self._action_views = self._layout.action_views(buffer)
+            self._slots = [self._layout.slot_views(buffer, k) for k in range(self.ring_depth)]
+            self._spawn_workers(env_fns)
+            self._await_ready()
+        except BaseException:
+            self._terminate_workers()
+            self._release()
+            raise
+
+    def _worker_spec(self, index: int, first_env: int, env_fns) -> WorkerSpec:
+        mode = self.observation_mode if isinstance(self.observation_mode, str) else "custom"
+        return WorkerSpec(
+            index=index,
+            first_env=first_env,
+            env_fns=env_fns,
+            num_envs=self.num_envs,
+            num_workers=self.num_workers,
+            ring_depth=self.ring_depth,
+            barrier_bytes=_core.StepBarrier.nbytes,
+            observation_space=self.single_observation_space,
+            action_space=self.single_action_space,
+            observation_mode=mode,
+            shared_memory=self.shared_memory,
+            autoreset_mode=_AUTORESET_CODES[self.autoreset_mode],
+            spin_ns=self._spin_ns,
+            main_pid=os.getpid(),
+        )
+
+    def _spawn_workers(self, env_fns: list) -> None:
+        ctx = multiprocessing.get_context(self.context)
+        forked = ctx.get_start_method() == "fork"
+        self._env_blocks = _split_blocks(self.num_envs, self.num_workers)
+        for index, rows in enumerate(self._env_blocks):
+            block = env_fns[rows.start : rows.stop]
+            payload = block if forked else _pickle_env_fns(block, rows)
+            spec = self._worker_spec(index, rows.start, payload)
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            process = ctx.Process(
+                target=worker_main,
+                args=(spec, SegmentFd(self._segment.fd), child_end),
+                name=f"shmvec-worker-{index}",
+                daemon=self.daemon,
+            )
+            process.start()
+            child_end.close()
+            self._workers.append(process)
+            self._pipes.append(parent_end)
+
+    def _await_ready(self) -> None:
+        for index in range(self.num_workers):
+            message = self._recv(index, timeout=None)
+            if "startup_error" in message:
+                exc, tb = message["startup_error"]
+                add_note(exc, f"shmvec worker {index} traceback:\n{tb}")
+                raise exc
+
+    # ------------------------------------------------------------------ reset
+
+    def reset_async(
+        self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
+    ) -> None:
+        """Sends a reset to every env (or those in ``options["reset_mask"]``)."""
+        self._assert_is_running()
+        if seed is None:
+            seeds = [None] * self.num_envs
+        elif isinstance(seed, int):
+            seeds = [seed + i for i in range(self.num_envs)]
+        else:
+            seeds = list(seed)
+            if len(seeds) != self.num_envs:
+                raise ValueError(
+                    "If seeds are passed as a list the length must match num_envs="
+                    f"{self.num_envs} but got length={len(seeds)}."
+                )
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                "Calling `reset_async` while waiting for a pending call to "
+                f"`{self._state.value}` to complete",
+                str(self._state.value),
+            )
+        mask = None
+        if options is not None and "reset_mask" in options:
+            mask = _check_reset_mask(options.pop("reset_mask"), self.num_envs)
+        self._finish_unfinished_round()
+        slot = self._next_slot()
+        for index, rows in enumerate(self._env_blocks):
+            block_mask = None if mask is None else mask[rows.start : rows.stop]
+            self._send(index, (seeds[rows.start : rows.stop], options, block_mask))
+        self._reset_mask = mask
+        self._barrier.post(RESET, slot)
+        self._state = AsyncState.WAITING_RESET
+
+    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
+        """Waits for the reset sent by ``reset_async``; returns ``(obs, infos)``."""
+        self._assert_is_running()
+        if self._state != AsyncState.WAITING_RESET:
+            raise NoAsyncCallError(
+                "Calling `reset_wait` without any prior call to `reset_async`.",
+                AsyncState.WAITING_RESET.value,
+            )
+        messages = self._finish_round(timeout, "reset_wait")
+        infos = self._merge_infos(messages)
+        mask = self._reset_mask
+        if mask is not None and not mask.all():
+            self._carry_over_obs(~mask)
+        obs = self._read_obs(messages)
+        return obs, infos
+
+    def reset(
+        self,
+        *,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Resets the envs; see ``gymnasium.vector.VectorEnv.reset``."""
+        self.reset_async(seed=seed, options=options)
+        return self.reset_wait()
+
+    # ------------------------------------------------------------------- step
+
+    def step_async(self, actions: ArrayType) -> None:
+        """Writes ``actions`` into the action slab and starts a step."""
+        self._assert_is_running()
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                "Calling `step_async` while waiting for a pending call to "
+                f"`{self._state.value}` to complete.",
+                str(self._state.value),
+            )
+        self._finish_unfinished_round()
+        if self._action_codec.pickled:
+            per_env = [None] * self.num_envs
+            self._action_codec.write_batch(per_env, actions)
+            for index, rows in enumerate(self._env_blocks):
+                self._send(index, per_env[rows.start : rows.stop])
+        else:
+            self._action_codec.write_batch(self._action_views, actions)
+        self._barrier.post(STEP, self._next_slot())
+        self._state = AsyncState.WAITING_STEP
+
+    def step_wait(
+        self, timeout: float | None = None
+    ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+        """Waits for the step started by ``step_async``."""
+        self._assert_is_running()
+        if self._state != AsyncState.WAITING_STEP:
+            raise NoAsyncCallError(
+                "Calling `step_wait` without any prior call to `step_async`.",
+                AsyncState.WAITING_STEP.value,
+            )
+        messages = self._finish_round(timeout, "step_wait")
+        infos = self._merge_infos(messages) if messages else {}
+        _, rewards, terminations, truncations = self._slots[self._slot]
+        obs = self._read_obs(messages)
+        if self.copy:
+            rewards = rewards.copy()
+            terminations = terminations.copy()
+            truncations = truncations.copy()
+        return obs, rewards, terminations.view(np.bool_), truncations.view(np.bool_), infos
+
+    def step(self, actions: ArrayType):
+        """Steps every env; see ``gymnasium.vector.VectorEnv.step``."""
+        self.step_async(actions)
+        return self.step_wait()
+
+    # ------------------------------------------------------------- call & co
+
+    def call_async(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Calls ``name`` (or reads it, if not callable) in every env."""
+        self._assert_is_running()
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                "Calling `call_async` while waiting for a pending call to "
+                f"`{self._state.value}` to complete.",
+                str(self._state.value),
+            )
+        self._finish_unfinished_round()
+        payload = (name, args, kwargs)
+        for index in range(self.num_workers):
+            self._send(index, payload)
+        self._barrier.post(CALL)
+        self._state = AsyncState.WAITING_CALL
+
+    def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
+        """The results of ``call_async``, one per env."""
+        self._assert_is_running()
+        if self._state != AsyncState.WAITING_CALL:
+            raise NoAsyncCallError(
+                "Calling `call_wait` without any prior call to `call_async`.",
+                AsyncState.WAITING_CALL.value,
+            )
+        messages = self._finish_round(timeout, "call_wait")
+        return tuple(r for message in messages.values() for r in message["results"])
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Calls ``name`` in every env and returns the results as a tuple."""
+        self.call_async(name, *args, **kwargs)
+        return self.call_wait()
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """The attribute ``name`` of every env (callables are called, as in gymnasium)."""
+        return self.call(name)
+
+    def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
+        """Sets ``name`` in every env: one value each, or the same value for all."""
+        self._assert_is_running()
+        if not isinstance(values, (list, tuple)):
+            values = [values] * self.num_envs
+        if len(values) != self.num_envs:
+            raise ValueError(
+                "Values must be a list or tuple with length equal to the number of "
+                f"environments. Got `{len(values)}` values for {self.num_envs} environments."
+            )
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                "Calling `set_attr` while waiting for a pending call to "
+                f"`{self._state.value}` to complete.",
+                str(self._state.value),
+            )
+        self._finish_unfinished_round()
+        for index, rows in enumerate(self._env_blocks):
+            self._send(index, (name, list(values[rows.start : rows.stop])))
+        self._barrier.post(SET_ATTR)
+        self._state = AsyncState.WAITING_CALL
+        self._finish_round(None, "set_attr")
+
+    def render(self) -> tuple[Any, ...] | None:
+        """Each env's ``render()``."""
+        return self.call("render")
+
+    @property
+    def np_random_seed(self) -> tuple[int, ...]:
+        """The sub-envs' ``np_random_seed``."""
+        return self.get_attr("np_random_seed")
+
+    @property
+    def np_random(self) -> tuple[np.random.Generator, ...]:
+        """Copies of the sub-envs' random generators."""
+        return self.get_attr("np_random")
+
+    # ------------------------------------------------------------------ close
+
+    def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
+        """Closes the envs and stops the workers (SIGKILL after a grace period)."""
+        if self._state != AsyncState.DEFAULT:
+            logger.warn(
+                f"Calling `close` while waiting for a pending call to `{self._state.value}` "
+                "to complete."
+            )
+            try:
+                self._finish_round(0 if terminate else timeout, "close")
+            except (multiprocessing.TimeoutError, WorkerDiedError):
+                terminate = True
+            except Exception:  # noqa: BLE001 - an env error in that call: still close
+                pass
+        if not terminate:
+            try:
+                self._finish_unfinished_round(CLOSE_GRACE_S if timeout is None else timeout)
+                self._barrier.post(CLOSE)
+                self._state = AsyncState.WAITING_CALL
+                self._wait_done(CLOSE_GRACE_S if timeout is None else timeout, "close")
+            except (multiprocessing.TimeoutError, WorkerDiedError):
+                pass
+            finally:
+                self._state = AsyncState.DEFAULT
+        self._terminate_workers(grace_s=0.0 if terminate else CLOSE_GRACE_S)
+        self._release()
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            self.close(terminate=True)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _assert_is_running(self) -> None:
+        if self.closed:
+            raise ClosedEnvironmentError(
+                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`."
+            )
+
+    def _next_slot(self) -> int:
+        self._slot = (self._slot + 1) % self.ring_depth
+        return self._slot
+
+    def _send(self, index: int, payload: Any) -> None:
+        self._pipes[index].send_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _recv(self, index: int, timeout: float | None) -> dict:
+        """The next message of worker ``index``, noticing its death."""
+        pipe = self._pipes[index]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not pipe.poll(LIVENESS_CHECK_S):
+            self._check_alive(index)
+            if deadline is not None and time.monotonic() > deadline:
+                raise multiprocessing.TimeoutError(f"no message from shmvec worker {index}")
+        try:
+            return pickle.loads(pipe.recv_bytes())
+        except EOFError:
+            self._workers[index].join(1.0)
+            self._check_alive(index)
+            raise
+
+    def _check_alive(self, index: int) -> None:
+        process = self._workers[index]
+        if process.exitcode is not None:
+            raise WorkerDiedError(index, self._env_blocks[index], process.exitcode, process.pid)
+
+    def _wait_done(self, timeout: float | None, name: str) -> None:
+        """Waits for every worker to arrive; raises on timeout or a worker's death."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            budget = LIVENESS_CHECK_S
+            if deadline is not None:
+                budget = min(budget, max(deadline - time.monotonic(), 0.0))
+            if self._barrier.wait_done(self._spin_ns, int(budget * 1e9)):
+                return
+            for index in range(self.num_workers):
+                self._check_alive(index)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise multiprocessing.TimeoutError(
+                    f"The call to `{name}` has timed out after {timeout} second(s)."
+                )
+
+    def _finish_round(self, timeout: float | None, name: str) -> dict[int, dict]:
+        """Ends the pending round: waits, reads messages, re-raises env errors."""
+        try:
+            self._wait_done(timeout, name)
+        except multiprocessing.TimeoutError:
+            self._state = AsyncState.DEFAULT
+            self._unfinished_round = True
+            raise
+        except WorkerDiedError:
+            self._state = AsyncState.DEFAULT
+            raise
+        self._state = AsyncState.DEFAULT
+        messages = self._collect_messages()
+        errors = [e for m in messages.values() for e in m.get("errors", ())]
+        if errors:
+            raise _remote_error(errors, self._env_blocks)
+        return messages
+
+    def _collect_messages(self) -> dict[int, dict]:
+        flags = self._message_flags
+        if not flags.any():
+            return {}
+        messages = {}
+        for index in np.flatnonzero(flags).tolist():
+            flags[index] = 0
+            messages[index] = self._recv(index, timeout=None)
+        return messages
+
+    def _finish_unfinished_round(self, timeout: float | None = None) -> None:
+        """Completes a round whose wait timed out, dropping its results."""
+        if self._unfinished_round:
+            self._wait_done(timeout, "close" if timeout is not None else "step_wait")
+            self._collect_messages()
+            self._unfinished_round = False
+
+    def _merge_infos(self, messages: dict[int, dict]) -> dict[str, Any]:
+        infos: dict[str, Any] = {}
+        for message in messages.values():
+            for row, dicts in message.get("infos", ()):
+                for info in dicts:
+                    infos = self._add_info(infos, info, row)
+        return infos
+
+    def _read_obs(self, messages: dict[int, dict]) -> Any:
+        if self._obs_codec.pickled:
+            values = getattr(self, "_pickled_obs", None) or [None] * self.num_envs
+            for message in messages.values():
+                for row, value in message.get("obs", {}).items():
+                    values[row] = value
+            self._pickled_obs = values
+            obs = self._obs_codec.read_batch(values, self.copy)
+        else:
+            obs = self._obs_codec.read_batch(self._slots[self._slot][0], self.copy)
+        self.observations = obs
+        return obs
+
+    def _carry_over_obs(self, rows: np.ndarray) -> None:
+        """Envs left out of a masked reset keep their previous observation."""
+        if self._obs_codec.pickled:
+            return  # _read_obs keeps the last value of every env
+        previous = self._slots[(self._slot - 1) % self.ring_depth][0]
+        for new, old in zip(self._slots[self._slot][0], previous):
+            new[rows] = old[rows]
+
+    def _terminate_workers(self, grace_s: float = 0.0) -> None:
+        """Joins the workers for ``grace_s``, then SIGTERM, then SIGKILL."""
+        for stop in (None, "terminate", "kill"):
+            deadline = time.monotonic() + (grace_s if stop is None else 1.0)
+            for process in self._workers:
+                if process.exitcode is None and stop is not None:
+                    # SIGKILL last: a worker whose env initialised SDL ignores SIGTERM.
+                    getattr(process, stop)()
+            for process in self._workers:
+                process.join(max(deadline - time.monotonic(), 0.0))
+            if all(p.exitcode is not None for p in self._workers):
+                return
+
+    def _release(self) -> None:
+        for pipe in self._pipes:
+            pipe.close()
+        self._pipes = []
+        self._workers = []
+        if self._segment is not None:
+            self._segment.close_fd()
+
+
+def _check_env_fns(env_fns) -> list:
+    if isinstance(env_fns, (str, bytes)) or not isinstance(env_fns, Sequence):
+        try:
+            env_fns = list(env_fns)
+        except TypeError:
+            raise TypeError(
+                f"env_fns must be a sequence of callables, got {type(env_fns).__name__}"
+            ) from None
+    env_fns = list(env_fns)
+    if not env_fns:
+        raise ValueError("env_fns is empty: a vector env needs at least one env")
+    for i, fn in enumerate(env_fns):
+        if not callable(fn):
+            raise TypeError(f"env_fns[{i}] is not callable: {fn!r}")
+    return env_fns
+
+
+def _check_max_concurrency(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"`max_concurrency` must be an integer or None, got {type(value)}.")
+    if value < 1:
+        raise ValueError(f"`max_concurrency` must be a positive or None, got {value}.")
+    return int(value)
+
+
+def _check_reset_mask(mask, num_envs: int) -> np.ndarray:
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
+    if mask.shape != (num_envs,):
+        raise ValueError(
+            f"`options['reset_mask']` must have shape `({num_envs},)`, got {mask.shape}"
+        )
+    if mask.dtype != np.bool_:
+        raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}")
+    if not np.any(mask):
+        raise ValueError(
+            "`options['reset_mask']` must contain a boolean array with at least one True "
+            f"value, got reset_mask={mask}"
+        )
+    return mask
+
+
+def _split_blocks(num_envs: int, num_workers: int) -> list[range]:
+    """Contiguous, as-even-as-possible blocks of env rows, one per worker."""
+    base, extra = divmod(num_envs, num_workers)
+    blocks, start = [], 0
+    for index in range(num_workers):
+        size = base + (1 if index < extra else 0)
+        blocks.append(range(start, start + size))
+        start += size
+    return blocks
+
+
+def _pickle_env_fns(block: list, rows: range) -> bytes:
+    try:
+        return cloudpickle.dumps(block)
+    except Exception as exc:
+        for offset, fn in enumerate(block):
+            try:
+                cloudpickle.dumps(fn)
+            except Exception:  # noqa: BLE001
+                raise TypeError(
+                    f"env_fns[{rows.start + offset}] cannot be pickled for a worker started "
+                    f"with spawn/forkserver: {exc!r}. Use context='fork' or a picklable callable."
+                ) from exc
+        raise
+
+
+def _remote_error(errors: list, blocks: list[range]) -> BaseException:
+    """The first env error, with the env, the worker and the remote traceback."""
+    row, exc, tb = errors[0]
+    worker = next((i for i, b in enumerate(blocks) if row in b), None)
+    add_note(exc, f"raised by env {row} in shmvec worker {worker}; remote traceback:\n{tb}")
+    for other_row, other, _ in errors[1:]:
+        add_note(exc, f"env {other_row} also raised {type(other).__name__}: {other}")
+    return exc

@@ -1,0 +1,318 @@
+"""The worker process: owns a contiguous block of envs and serves commands.
+
+Data flow of one round: the main process posts a command on the step barrier
+(payloads that are not arrays, such as reset seeds or ``call`` arguments, are
+sent on the worker's pipe first); the worker does it for each of its envs,
+writes results into the ring slot the command names, sets its message flag if
+it has anything that is not a column (infos, errors, pickled values), arrives
+at the barrier, and only *then* sends that message, so that a large message
+can never block a worker that the main process is still waiting for.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from shmvec import _core, _worker_loop
+from shmvec.errors import add_note
+from shmvec.layout import SegmentLayout, make_codec
+
+# Command kinds posted on the barrier.
+STEP = 1
+RESET = 2
+CALL = 3
+SET_ATTR = 4
+CLOSE = 5
+
+# How long a worker sleeps before it checks that the main process is alive.
+WATCHDOG_NS = 250_000_000
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs; pickled (with cloudpickle) under spawn."""
+
+    index: int
+    first_env: int
+    env_fns: Any  # list of callables, or their cloudpickle bytes
+    num_envs: int
+    num_workers: int
+    ring_depth: int
+    barrier_bytes: int
+    observation_space: Any
+    action_space: Any
+    observation_mode: str
+    shared_memory: bool
+    autoreset_mode: int
+    spin_ns: int
+    main_pid: int
+
+
+class SegmentFd:
+    """An fd that survives pickling into a spawn/forkserver child.
+
+    multiprocessing's ``DupFd`` passes the fd next to the pickled process
+    object, the way it passes Connection objects; under fork the int is
+    simply inherited.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_detach_fd, (reduction.DupFd(self.fd),))
+
+
+def _detach_fd(dup) -> SegmentFd:
+    return SegmentFd(dup.detach())
+
+
+def _safe_exception(exc: BaseException) -> BaseException:
+    """``exc`` if it pickles, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(exc).__name__}: {exc} (unpicklable exception)")
+
+
+def _send(pipe, message: dict) -> None:
+    try:
+        pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:  # noqa: BLE001 - unpicklable info or result
+        errors = [(row, RuntimeError(f"cannot send the result to the main process: {exc!r}"),
+                   traceback.format_exc()) for row in message.get("rows", [-1])]
+        pipe.send_bytes(pickle.dumps({"errors": errors}))
+
+
+def _main_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _check_spaces(spec: WorkerSpec, env, row: int) -> None:
+    from gymnasium.spaces.utils import is_space_dtype_shape_equiv
+
+    if spec.observation_mode == "same":
+        if env.observation_space != spec.observation_space:
+            raise RuntimeError(
+                f"ShmVectorEnv(..., observation_mode='same') however some of the sub-environments "
+                f"observation spaces are not equivalent. env {row} has "
+                f"{env.observation_space}, env 0 has {spec.observation_space}. If this is "
+                f"intentional, use `observation_mode='different'` instead."
+            )
+    elif not is_space_dtype_shape_equiv(env.observation_space, spec.observation_space):
+        raise RuntimeError(
+            f"ShmVectorEnv(..., observation_mode='different' or custom space) however the "
+            f"sub-environment's observation spaces do not share a common shape and dtype: env "
+            f"{row} has {env.observation_space}, expected {spec.observation_space}."
+        )
+    if env.action_space != spec.action_space:
+        raise RuntimeError(
+            f"Some environments have an action space different from `{spec.action_space}`: "
+            f"env {row} has {env.action_space}. In order to batch actions, the action spaces "
+            f"from all environments must be equal."
+        )
+
+
+def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
+    """Entry point of a worker process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's
+    try:
+        _core.set_parent_death_signal(signal.SIGKILL)
+    except OSError:
+        pass  # the watchdog below still notices
+    segment = _core.Segment.attach(segment_fd.fd)
+    os.close(segment_fd.fd)
+    try:
+        envs = _make_envs(spec)
+    except BaseException as exc:  # noqa: BLE001 - reported to the main process
+        pipe.send_bytes(pickle.dumps({"startup_error": (_safe_exception(exc),
+                                                        traceback.format_exc())}))
+        return
+    pipe.send_bytes(pickle.dumps({"ready": os.getpid()}))
+    try:
+        Worker(spec, segment, pipe, envs).serve()
+    finally:
+        del envs
+        pipe.close()
+
+
+def _make_envs(spec: WorkerSpec) -> list:
+    env_fns = spec.env_fns
+    if isinstance(env_fns, bytes):
+        env_fns = cloudpickle.loads(env_fns)
+    envs = []
+    for offset, env_fn in enumerate(env_fns):
+        row = spec.first_env + offset
+        try:
+            env = env_fn()
+            _check_spaces(spec, env, row)
+        except BaseException as exc:
+            add_note(exc, f"(while creating env {row} in shmvec worker {spec.index})")
+            for made in envs:
+                made.close()
+            raise
+        envs.append(env)
+    return envs
+
+
+class Worker:
+    """Serves commands for one block of envs until CLOSE or the main's death."""
+
+    def __init__(self, spec: WorkerSpec, segment, pipe, envs: list) -> None:
+        self.spec = spec
+        self.segment = segment
+        self.pipe = pipe
+        self.envs = envs
+        from shmvec._core import StepBarrier
+
+        layout_args = _layout_args(spec)
+        self.layout = SegmentLayout(*layout_args)
+        self.barrier = _worker_loop.WorkerBarrier(
+            segment.address + self.layout.barrier_offset, spec.num_workers
+        )
+        assert StepBarrier.nbytes == spec.barrier_bytes
+        buffer = memoryview(segment)
+        self.flag = self.layout.worker_words(buffer)[spec.index : spec.index + 1]
+        self.obs_codec = make_codec(spec.observation_space, spec.shared_memory)
+        self.action_codec = make_codec(spec.action_space)
+        self.action_views = self.layout.action_views(buffer)
+        self.slots = [self.layout.slot_views(buffer, k) for k in range(spec.ring_depth)]
+        self.autoreset = np.zeros(len(envs), dtype=np.uint8)
+        self.rows = range(spec.first_env, spec.first_env + len(envs))
+
+    def serve(self) -> None:
+        generation = 0
+        spin_ns = self.spec.spin_ns
+        while True:
+            command = self.barrier.wait_command(generation, spin_ns, WATCHDOG_NS)
+            if command is None:
+                if not _main_alive(self.spec.main_pid):
+                    os._exit(0)
+                continue
+            generation, kind, arg = command
+            if kind == STEP:
+                message = self.step(arg)
+            elif kind == RESET:
+                message = self.reset(arg, self._recv())
+            elif kind == CALL:
+                message = self.call(*self._recv())
+            elif kind == SET_ATTR:
+                message = self.set_attr(*self._recv())
+            elif kind == CLOSE:
+                self.close()
+                self.barrier.arrive()
+                return
+            else:
+                message = {"errors": [(-1, RuntimeError(f"unknown command {kind}"), "")]}
+            if message:
+                self.flag[0] = 1
+            self.barrier.arrive()
+            if message:
+                _send(self.pipe, message)
+
+    def _recv(self):
+        return pickle.loads(self.pipe.recv_bytes())
+
+    def _obs_target(self, slot: int):
+        """Where observations of this round go: columns, or a dict to pickle."""
+        return {} if self.obs_codec.pickled else self.slots[slot][0]
+
+    def step(self, slot: int) -> dict:
+        action_views = self.action_views
+        if self.action_codec.pickled:
+            action_views = [None] * self.spec.num_envs
+            action_views[self.rows.start : self.rows.stop] = self._recv()
+        obs_target, rewards, terminations, truncations = self.slots[slot]
+        obs_target = self._obs_target(slot)
+        infos, errors = _worker_loop.step_envs(
+            self.envs, self.spec.first_env, self.action_codec, action_views,
+            self.obs_codec, obs_target, rewards, terminations, truncations,
+            self.autoreset, self.spec.autoreset_mode,
+        )
+        return self._message(infos, errors, obs_target)
+
+    def _message(self, infos, errors, obs_target) -> dict:
+        message = {}
+        if infos:
+            message["infos"] = infos
+        if errors:
+            message["errors"] = [(row, _safe_exception(e), tb) for row, e, tb in errors]
+        if self.obs_codec.pickled:
+            message["obs"] = obs_target
+        return message
+
+    def reset(self, slot: int, payload) -> dict:
+        seeds, options, mask = payload
+        obs_target = self._obs_target(slot)
+        infos, errors = [], []
+        for i, (env, row) in enumerate(zip(self.envs, self.rows)):
+            if mask is not None and not mask[i]:
+                continue
+            try:
+                obs, info = env.reset(seed=seeds[i], options=options)
+                self.obs_codec.write(obs_target, row, obs)
+                self.autoreset[i] = 0
+                if info:
+                    infos.append((row, [info]))
+            except Exception as exc:  # noqa: BLE001 - re-raised in the main process
+                errors.append((row, exc, traceback.format_exc()))
+        return self._message(infos, errors, obs_target)
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> dict:
+        results, errors = [], []
+        for env, row in zip(self.envs, self.rows):
+            try:
+                value = env.get_wrapper_attr(name)
+                results.append(value(*args, **kwargs) if callable(value) else value)
+            except Exception as exc:  # noqa: BLE001
+                results.append(None)
+                errors.append((row, exc, traceback.format_exc()))
+        return {"results": results, **self._message([], errors, {})}
+
+    def set_attr(self, name: str, values: list) -> dict:
+        errors = []
+        for env, row, value in zip(self.envs, self.rows, values):
+            try:
+                env.set_wrapper_attr(name, value)
+            except Exception as exc:  # noqa: BLE001
+                errors.append((row, exc, traceback.format_exc()))
+        return self._message([], errors, {}) or {"results": None}
+
+    def close(self) -> None:
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                traceback.print_exc(file=sys.stderr)
+
+
+def _layout_args(spec: WorkerSpec) -> tuple:
+    """SegmentLayout's arguments, derived the same way in main and workers."""
+    obs_codec = make_codec(spec.observation_space, spec.shared_memory)
+    action_codec = make_codec(spec.action_space)
+    return (
+        spec.num_envs,
+        spec.num_workers,
+        spec.barrier_bytes,
+        action_codec.columns(),
+        obs_codec.columns(),
+        spec.ring_depth,
+    )
