@@ -8,7 +8,14 @@ modes, what goes into infos) are the same as in ``SyncVectorEnv.step``.
 """
 
 from libc.errno cimport errno
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uintptr_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memset
+
+from numpy import ndarray as _ndarray
+
+from shmvec.infos import CELL_KINDS as _CELL_KINDS
+from shmvec.infos import CODES as _CODES
+from shmvec.infos import INFO_COLUMNS
 
 cdef extern from "barrier.h" namespace "shmvec":
     cdef cppclass BarrierWords:
@@ -67,6 +74,62 @@ cdef class WorkerBarrier:
             self.barrier.arrive()
 
 
+cdef class InfoColumns:
+    """A worker's writer of numeric scalar infos into a slot (see shmvec/infos.py).
+
+    ``schema`` maps each key this worker has seen to its column; it is shared
+    by every slot of the worker.
+    """
+
+    cdef dict schema
+    cdef uint8_t[:, ::1] codes
+    cdef double[:, ::1] cells_f
+    cdef int64_t[:, ::1] cells_i
+    cdef uint64_t[:, ::1] cells_u
+
+    def __cinit__(self, dict schema, object codes, object cells):
+        self.schema = schema
+        self.codes = codes
+        self.cells_f = cells.view("float64")
+        self.cells_i = cells.view("int64")
+        self.cells_u = cells
+
+    cdef inline void clear(self, Py_ssize_t row):
+        if self.schema:
+            memset(&self.codes[row, 0], 0, INFO_COLUMNS)
+
+    cdef bint write(self, dict info, Py_ssize_t row, list announced) except -1:
+        """Stores ``info`` in the columns of ``row``; False if it must be pickled."""
+        cdef int code
+        cdef Py_ssize_t new_keys = 0
+        for key, value in info.items():
+            code = _CODES.get(type(value), 0)
+            if code == 0:
+                return False
+            if code == 1 and not (-0x8000000000000000 <= value <= 0x7FFFFFFFFFFFFFFF):
+                return False
+            if key not in self.schema:
+                new_keys += 1
+        if len(self.schema) + new_keys > INFO_COLUMNS:
+            return False
+        for key, value in info.items():
+            col = self.schema.get(key)
+            if col is None:
+                col = len(self.schema)
+                self.schema[key] = col
+                announced.append((key, col))
+            code = _CODES[type(value)]
+            self.codes[row, col] = code
+            kind = _CELL_KINDS[code]
+            if kind == "f":
+                self.cells_f[row, col] = value
+            elif kind == "u":
+                self.cells_u[row, col] = value
+            else:
+                self.cells_i[row, col] = value
+        return True
+
+
 def step_envs(
     list envs,
     Py_ssize_t first_row,
@@ -78,6 +141,7 @@ def step_envs(
     uint8_t[::1] terminations,
     uint8_t[::1] truncations,
     uint8_t[::1] autoreset,
+    InfoColumns info_columns,
     int mode,
 ):
     """Steps ``envs`` (rows ``first_row ...``) and writes their results.
@@ -88,9 +152,11 @@ def step_envs(
     ``autoreset`` holds, per env of the block, whether its previous step ended
     an episode (NEXT_STEP mode resets it now instead of stepping).
 
-    Returns ``(infos, errors)``: ``infos`` is a list of ``(row, [info, ...])``
-    for envs with something to merge, in row order, each list merged in order
-    with ``VectorEnv._add_info``; ``errors`` a list of ``(row, exception,
+    Returns ``(infos, errors, announced)``: ``infos`` is a list of ``(row,
+    [info, ...])`` for envs with something to pickle, in row order, each list
+    merged in order with ``VectorEnv._add_info``; numeric scalar infos go to
+    ``info_columns`` instead, and ``announced`` lists the ``(key, column)``
+    pairs new this round. ``errors`` is a list of ``(row, exception,
     traceback_text)``. An env that raised keeps its previous results.
     """
     cdef Py_ssize_t i, row
@@ -100,6 +166,7 @@ def step_envs(
     cdef object final_obs, final_info
     cdef list infos = []
     cdef list errors = []
+    cdef list announced = []
     # The common case, one array column each way, skips the codec calls.
     cdef bint direct_action = not action_codec.pickled and len(action_views) == 1 \
         and type(action_codec).__name__ == "ArrayCodec"
@@ -113,6 +180,7 @@ def step_envs(
     for i in range(n):
         row = first_row + i
         env = envs[i]
+        info_columns.clear(row)
         try:
             if mode == NEXT_STEP and autoreset[i]:
                 obs, info = env.reset()
@@ -148,14 +216,13 @@ def step_envs(
             terminations[row] = 1 if terminated else 0
             truncations[row] = 1 if truncated else 0
             autoreset[i] = ended
-            if merged is not None:
+            if merged is not None and not (
+                len(merged) == 1 and info_columns.write(merged[0], row, announced)
+            ):
                 infos.append((row, merged))
         except Exception as exc:  # noqa: BLE001 - re-raised in the main process
             errors.append((row, exc, _format_exc()))
-    return infos, errors
-
-
-from numpy import ndarray as _ndarray
+    return infos, errors, announced
 
 
 def _format_exc():

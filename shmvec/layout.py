@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from gymnasium import spaces
 from gymnasium.vector.utils import concatenate, create_empty_array, iterate
+
+from shmvec.infos import INFO_COLUMNS
 
 CACHE_LINE = 64
 
@@ -277,8 +279,9 @@ class SegmentLayout:
 
     ``header | barrier | worker words | action slab | ring slot 0 .. D-1``,
     each region and each column starting on its own cache line. A ring slot
-    holds the observation columns, rewards (float64), terminations and
-    truncations (uint8) for every env.
+    holds, for every env, the observation columns, the reward (float64),
+    terminated and truncated (uint8), and the info columns (INFO_COLUMNS type
+    codes, uint8, and as many 8-byte cells; see shmvec/infos.py).
 
     Built identically in the main process and in each worker from the same
     arguments, so only the arguments travel to the workers.
@@ -314,6 +317,8 @@ class SegmentLayout:
             ColumnSpec(np.dtype(np.float64), ()),
             ColumnSpec(np.dtype(np.uint8), ()),
             ColumnSpec(np.dtype(np.uint8), ()),
+            ColumnSpec(np.dtype(np.uint8), (INFO_COLUMNS,)),
+            ColumnSpec(np.dtype(np.uint64), (INFO_COLUMNS,)),
         ]
         self.slot_columns = slot_columns
         self.slot_offsets = []
@@ -347,7 +352,18 @@ class SegmentLayout:
     def action_views(self, buffer) -> list[np.ndarray]:
         return self._views(buffer, self.action_offsets, self.action_columns)
 
-    def slot_views(self, buffer, slot: int) -> tuple[list[np.ndarray], np.ndarray, ...]:
-        """(obs column views, rewards, terminations, truncations) of one slot."""
+    def slot_views(self, buffer, slot: int) -> SlotViews:
+        """The arrays of one ring slot."""
         views = self._views(buffer, self.slot_offsets[slot], self.slot_columns)
-        return views[:-3], views[-3], views[-2], views[-1]
+        return SlotViews(views[:-5], *views[-5:])
+
+
+class SlotViews(NamedTuple):
+    """One ring slot: a full batch of results."""
+
+    obs: list[np.ndarray]  # the observation codec's columns
+    rewards: np.ndarray  # float64 (n,)
+    terminations: np.ndarray  # uint8 (n,)
+    truncations: np.ndarray  # uint8 (n,)
+    info_codes: np.ndarray  # uint8 (n, INFO_COLUMNS)
+    info_cells: np.ndarray  # uint64 (n, INFO_COLUMNS)

@@ -30,6 +30,7 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space
 from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
 
 from shmvec import _core
+from shmvec import infos as infos_columns
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.layout import SegmentLayout, make_codec
 from shmvec.spin import available_cpus, default_spin_ns
@@ -149,10 +150,16 @@ class ShmVectorEnv(VectorEnv):
         self.num_workers = num_workers
         self.ring_depth = ring_depth
         self._spin_ns = default_spin_ns(num_workers) if spin_ns is None else int(spin_ns)
+        self._worker_spin_ns = self._spin_ns
+        if os.environ.get("SHMVEC_MAIN_SPIN_NS"):
+            self._spin_ns = int(os.environ["SHMVEC_MAIN_SPIN_NS"])
+        if os.environ.get("SHMVEC_WORKER_SPIN_NS"):
+            self._worker_spin_ns = int(os.environ["SHMVEC_WORKER_SPIN_NS"])
         self._obs_codec = make_codec(self.single_observation_space, shared_memory)
         self._action_codec = make_codec(self.single_action_space)
         self._state = AsyncState.DEFAULT
         self._unfinished_round = False
+        self._info_schemas: list[dict] = [{} for _ in range(self.num_workers)]
         self._slot = 0
         self._workers: list = []
         self._pipes: list = []
@@ -220,7 +227,7 @@ class ShmVectorEnv(VectorEnv):
             observation_mode=mode,
             shared_memory=self.shared_memory,
             autoreset_mode=_AUTORESET_CODES[self.autoreset_mode],
-            spin_ns=self._spin_ns,
+            spin_ns=self._worker_spin_ns,
             main_pid=os.getpid(),
         )
 
@@ -347,8 +354,9 @@ class ShmVectorEnv(VectorEnv):
                 AsyncState.WAITING_STEP.value,
             )
         messages = self._finish_round(timeout, "step_wait")
-        infos = self._merge_infos(messages) if messages else {}
-        _, rewards, terminations, truncations = self._slots[self._slot]
+        infos = self._merge_infos(messages)
+        slot = self._slots[self._slot]
+        rewards, terminations, truncations = slot.rewards, slot.terminations, slot.truncations
         obs = self._read_obs(messages)
         if self.copy:
             rewards = rewards.copy()
@@ -555,12 +563,31 @@ class ShmVectorEnv(VectorEnv):
             self._unfinished_round = False
 
     def _merge_infos(self, messages: dict[int, dict]) -> dict[str, Any]:
+        """This round's infos: pickled ones and numeric scalar columns, in env order."""
+        for index, message in messages.items():
+            self._info_schemas[index].update(message.get("info_columns", ()))
+        pickled = [item for m in messages.values() for item in m.get("infos", ())]
+        gathered = {}
+        if self._info_schemas_used():
+            slot = self._slots[self._slot]
+            gathered = infos_columns.gather(
+                self._info_schemas, self._env_blocks, slot.info_codes, slot.info_cells
+            )
+        if not pickled:
+            return infos_columns.merge_columns({}, gathered, self.num_envs)
+        if gathered:
+            pickled = sorted(
+                pickled + infos_columns.column_dicts(gathered, self.num_envs),
+                key=lambda item: item[0],
+            )
         infos: dict[str, Any] = {}
-        for message in messages.values():
-            for row, dicts in message.get("infos", ()):
-                for info in dicts:
-                    infos = self._add_info(infos, info, row)
+        for row, dicts in pickled:
+            for info in dicts:
+                infos = self._add_info(infos, info, row)
         return infos
+
+    def _info_schemas_used(self) -> bool:
+        return any(self._info_schemas)
 
     def _read_obs(self, messages: dict[int, dict]) -> Any:
         if self._obs_codec.pickled:
@@ -571,7 +598,7 @@ class ShmVectorEnv(VectorEnv):
             self._pickled_obs = values
             obs = self._obs_codec.read_batch(values, self.copy)
         else:
-            obs = self._obs_codec.read_batch(self._slots[self._slot][0], self.copy)
+            obs = self._obs_codec.read_batch(self._slots[self._slot].obs, self.copy)
         self.observations = obs
         return obs
 
@@ -579,8 +606,8 @@ class ShmVectorEnv(VectorEnv):
         """Envs left out of a masked reset keep their previous observation."""
         if self._obs_codec.pickled:
             return  # _read_obs keeps the last value of every env
-        previous = self._slots[(self._slot - 1) % self.ring_depth][0]
-        for new, old in zip(self._slots[self._slot][0], previous):
+        previous = self._slots[(self._slot - 1) % self.ring_depth].obs
+        for new, old in zip(self._slots[self._slot].obs, previous):
             new[rows] = old[rows]
 
     def _terminate_workers(self, grace_s: float = 0.0) -> None:

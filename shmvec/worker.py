@@ -195,6 +195,11 @@ class Worker:
         self.action_codec = make_codec(spec.action_space)
         self.action_views = self.layout.action_views(buffer)
         self.slots = [self.layout.slot_views(buffer, k) for k in range(spec.ring_depth)]
+        self.info_schema: dict = {}  # info key -> column, shared by all slots
+        self.info_columns = [
+            _worker_loop.InfoColumns(self.info_schema, s.info_codes, s.info_cells)
+            for s in self.slots
+        ]
         self.autoreset = np.zeros(len(envs), dtype=np.uint8)
         self.rows = range(spec.first_env, spec.first_env + len(envs))
 
@@ -233,24 +238,26 @@ class Worker:
 
     def _obs_target(self, slot: int):
         """Where observations of this round go: columns, or a dict to pickle."""
-        return {} if self.obs_codec.pickled else self.slots[slot][0]
+        return {} if self.obs_codec.pickled else self.slots[slot].obs
 
     def step(self, slot: int) -> dict:
         action_views = self.action_views
         if self.action_codec.pickled:
             action_views = [None] * self.spec.num_envs
             action_views[self.rows.start : self.rows.stop] = self._recv()
-        obs_target, rewards, terminations, truncations = self.slots[slot]
+        views = self.slots[slot]
         obs_target = self._obs_target(slot)
-        infos, errors = _worker_loop.step_envs(
+        infos, errors, announced = _worker_loop.step_envs(
             self.envs, self.spec.first_env, self.action_codec, action_views,
-            self.obs_codec, obs_target, rewards, terminations, truncations,
-            self.autoreset, self.spec.autoreset_mode,
+            self.obs_codec, obs_target, views.rewards, views.terminations, views.truncations,
+            self.autoreset, self.info_columns[slot], self.spec.autoreset_mode,
         )
-        return self._message(infos, errors, obs_target)
+        return self._message(infos, errors, obs_target, announced)
 
-    def _message(self, infos, errors, obs_target) -> dict:
+    def _message(self, infos, errors, obs_target, announced=()) -> dict:
         message = {}
+        if announced:
+            message["info_columns"] = announced
         if infos:
             message["infos"] = infos
         if errors:
@@ -262,6 +269,8 @@ class Worker:
     def reset(self, slot: int, payload) -> dict:
         seeds, options, mask = payload
         obs_target = self._obs_target(slot)
+        # Reset infos are pickled (resets are rare): clear this block's columns.
+        self.slots[slot].info_codes[self.rows.start : self.rows.stop] = 0
         infos, errors = [], []
         for i, (env, row) in enumerate(zip(self.envs, self.rows)):
             if mask is not None and not mask[i]:

@@ -1,0 +1,98 @@
+"""Numeric scalar infos as typed columns instead of pickles.
+
+Many envs report the same numeric scalars every step (Atari's ``lives``,
+``episode_frame_number``, ``frame_number``). A worker writes such an info
+(a dict whose values are all ``int``, ``float``, ``bool`` or numpy integer and
+float scalars) into the ring slot: per env and column, one type code byte
+(0 = absent) and one 8-byte cell. Column numbers are chosen by each worker
+the first time it sees a key and announced once in that round's message, so
+the steady state sends nothing through the pipe.
+
+The main process rebuilds exactly what ``VectorEnv._add_info`` would have
+built from the same dicts: the batch dtype is the type of the first env (in
+env order) that reports the key, later values are cast into it, and
+``_key`` masks mark who reported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: Columns per env. Atari needs 3; an info with a new key beyond this many
+#: is pickled instead.
+INFO_COLUMNS = 8
+
+#: The scalar types that travel as columns; the code of ``t`` is its index + 1.
+#: ``np.bool_`` is absent on purpose: ``_add_info`` batches it into an object
+#: array (it is not an ``np.number``).
+SCALAR_TYPES: tuple[type, ...] = (
+    int, float, bool,
+    np.int8, np.int16, np.int32, np.int64,
+    np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64,
+)  # fmt: skip
+CODES: dict[type, int] = {t: i + 1 for i, t in enumerate(SCALAR_TYPES)}
+
+# Per code: the dtype _add_info batches the value into (np.zeros(n, dtype=type(v)))
+# and the view of the 8-byte cell that holds it losslessly.
+_BATCH_DTYPES = [None] + [np.dtype(t) for t in SCALAR_TYPES]
+_CELL_VIEWS = [None] + [
+    np.dtype(np.float64) if d.kind == "f" else np.dtype(np.uint64) if d.kind == "u"
+    else np.dtype(np.int64)
+    for d in _BATCH_DTYPES[1:]
+]  # fmt: skip
+CELL_KINDS = [None] + [d.kind for d in _CELL_VIEWS[1:]]  # "f", "u" or "i", by code
+
+
+def _decode(code: int, cell: np.ndarray) -> Any:
+    """The scalar stored in ``cell`` (a uint64), as its original type."""
+    return SCALAR_TYPES[code - 1](cell.view(_CELL_VIEWS[code]).item())
+
+
+def gather(
+    schemas: list[dict], blocks: list[range], codes: np.ndarray, cells: np.ndarray
+) -> dict[Any, tuple[np.ndarray, np.ndarray]]:
+    """Per key: (codes, cells) arrays of length num_envs, from every worker's columns."""
+    n = codes.shape[0]
+    gathered: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+    for schema, rows in zip(schemas, blocks):
+        for key, col in schema.items():
+            block_codes = codes[rows.start : rows.stop, col]
+            if not block_codes.any():
+                continue
+            if key not in gathered:
+                gathered[key] = (np.zeros(n, np.uint8), np.zeros(n, np.uint64))
+            key_codes, key_cells = gathered[key]
+            key_codes[rows.start : rows.stop] = block_codes
+            key_cells[rows.start : rows.stop] = cells[rows.start : rows.stop, col]
+    return gathered
+
+
+def merge_columns(infos: dict, gathered: dict, num_envs: int) -> dict:
+    """Adds the column infos to ``infos`` as ``_add_info`` would (no other infos)."""
+    for key, (key_codes, key_cells) in gathered.items():
+        present = key_codes != 0
+        rows = np.flatnonzero(present)
+        first = int(key_codes[rows[0]])
+        array = np.zeros(num_envs, dtype=_BATCH_DTYPES[first])
+        if (key_codes[rows] == first).all():
+            array[rows] = key_cells[rows].view(_CELL_VIEWS[first]).astype(array.dtype)
+        else:  # mixed types: cast one by one, exactly as _add_info assigns
+            for row in rows.tolist():
+                array[row] = _decode(int(key_codes[row]), key_cells[row : row + 1])
+        infos[key] = array
+        infos[f"_{key}"] = present
+    return infos
+
+
+def column_dicts(gathered: dict, num_envs: int) -> list[tuple[int, list[dict]]]:
+    """The per-env info dicts behind the columns, for merging with pickled infos."""
+    per_row: dict[int, dict] = {}
+    for key, (key_codes, key_cells) in gathered.items():
+        for row in np.flatnonzero(key_codes).tolist():
+            per_row.setdefault(row, {})[key] = _decode(
+                int(key_codes[row]), key_cells[row : row + 1]
+            )
+    return [(row, [per_row[row]]) for row in sorted(per_row)]

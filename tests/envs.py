@@ -1,0 +1,373 @@
+"""Environments for shmvec's tests.
+
+They live in a module (not in the test files) so that workers started with
+``spawn``/``forkserver`` can import them: env_fns built from these classes
+with ``functools.partial`` pickle by reference.
+
+Every env draws its randomness from ``self.np_random`` only, so that the
+same seeds give the same trajectories in ``SyncVectorEnv`` and in
+``ShmVectorEnv``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+
+class EnvBoom(Exception):
+    """Raised on purpose by FailingEnv; a distinct type that tests can match."""
+
+
+CHARSET = "abcde"
+
+
+def custom_observation_space() -> spaces.Dict:
+    """A nested space with every fixed-size leaf kind shmvec supports."""
+    return spaces.Dict(
+        {
+            "pos": spaces.Box(-1.0, 1.0, (3,), np.float32),
+            "img": spaces.Box(0, 255, (2, 2, 3), np.uint8),
+            "half": spaces.Box(-2.0, 2.0, (2,), np.float16),
+            "k": spaces.Discrete(5, start=-2),
+            "tup": spaces.Tuple(
+                (
+                    spaces.Text(max_length=6, min_length=0, charset=CHARSET),
+                    spaces.MultiDiscrete([3, 4, 5]),
+                    spaces.MultiBinary(4),
+                )
+            ),
+            "nested": spaces.Dict(
+                {"flags": spaces.MultiBinary([2, 2]), "count": spaces.Discrete(1000)}
+            ),
+        }
+    )
+
+
+class CustomSpaceEnv(gym.Env):
+    """Dict/Tuple/Text/MultiDiscrete/MultiBinary observations, random episode
+    lengths (terminated or truncated), and infos that change from step to
+    step: empty, numeric scalars, numpy arrays, strings, nested dicts.
+
+    The action (a Dict of a Discrete and a Box) feeds into the observation, so
+    a wrongly delivered action shows up in the results.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
+
+    def __init__(self, max_len: int = 10, render_mode: str | None = None) -> None:
+        self.observation_space = custom_observation_space()
+        self.action_space = spaces.Dict(
+            {"move": spaces.Discrete(3), "force": spaces.Box(-1.0, 1.0, (2,), np.float32)}
+        )
+        self.max_len = max_len
+        self.render_mode = render_mode
+        self.t = 0
+        self.length = 1
+        self.resets = 0
+        self.last_move = 0
+
+    def _obs(self) -> dict[str, Any]:
+        rng = self.np_random
+        text_len = int(rng.integers(0, 7))
+        text = "".join(CHARSET[int(c)] for c in rng.integers(0, len(CHARSET), text_len))
+        pos = rng.uniform(-1, 1, 3).astype(np.float32)
+        pos[0] = np.float32(self.last_move - 1)  # the action is visible in the obs
+        return {
+            "pos": pos,
+            "img": rng.integers(0, 256, (2, 2, 3), dtype=np.uint8),
+            "half": rng.uniform(-2, 2, 2).astype(np.float16),
+            "k": int(rng.integers(-2, 3)),
+            "tup": (
+                text,
+                rng.integers([0, 0, 0], [3, 4, 5]).astype(np.int64),
+                rng.integers(0, 2, 4).astype(np.int8),
+            ),
+            "nested": {
+                "flags": rng.integers(0, 2, (2, 2)).astype(np.int8),
+                "count": self.t,
+            },
+        }
+
+    def _info(self) -> dict[str, Any]:
+        rng = self.np_random
+        kind = int(rng.integers(0, 7))
+        if kind == 0:
+            return {}
+        if kind == 1:
+            return {"score": int(rng.integers(0, 100))}
+        if kind == 2:
+            return {"ratio": float(rng.uniform()), "flag": bool(rng.integers(0, 2))}
+        if kind == 3:
+            return {"vec": rng.uniform(size=3), "count32": np.int32(self.t)}
+        if kind == 4:
+            return {"msg": f"t={self.t}"}
+        if kind == 5:
+            return {"nested": {"a": self.t, "b": {"c": np.float32(self.t) / 2, "s": "deep"}}}
+        return {"score": self.t, "msg": "both", "vec": np.arange(3, dtype=np.float64)}
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.resets += 1
+        self.last_move = 0
+        self.length = int(self.np_random.integers(1, self.max_len + 1))
+        info: dict[str, Any] = {"resets": self.resets}
+        if options:
+            info["options"] = dict(options)
+        if self.np_random.integers(0, 2):
+            info["reset_vec"] = self.np_random.uniform(size=2)
+        return self._obs(), info
+
+    def step(self, action):
+        move = int(action["move"])
+        force = np.asarray(action["force"], dtype=np.float32)
+        assert self.action_space.contains({"move": move, "force": force}), action
+        self.t += 1
+        self.last_move = move
+        reward = float(move) + float(force.sum()) + float(self.np_random.uniform())
+        ended = self.t >= self.length
+        truncated = bool(ended and self.np_random.integers(0, 2))
+        terminated = bool(ended and not truncated)
+        return self._obs(), reward, terminated, truncated, self._info()
+
+    def render(self):
+        if self.render_mode == "rgb_array":
+            frame = np.zeros((4, 6, 3), dtype=np.uint8)
+            frame[..., 0] = self.t
+            return frame
+        return None
+
+
+class GraphEnv(gym.Env):
+    """Observations are Graph instances of random size (pickled by shmvec)."""
+
+    def __init__(self, max_len: int = 8) -> None:
+        self.observation_space = spaces.Graph(
+            node_space=spaces.Box(-1.0, 1.0, (2,), np.float32), edge_space=spaces.Discrete(3)
+        )
+        self.action_space = spaces.Discrete(2)
+        self.max_len = max_len
+        self.t = 0
+        self.length = 1
+
+    def _obs(self):
+        rng = self.np_random
+        n = int(rng.integers(1, 5))
+        m = int(rng.integers(0, 4))
+        return spaces.GraphInstance(
+            nodes=rng.uniform(-1, 1, (n, 2)).astype(np.float32),
+            edges=rng.integers(0, 3, m).astype(np.int64),
+            edge_links=rng.integers(0, n, (m, 2)).astype(np.int64),
+        )
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.length = int(self.np_random.integers(1, self.max_len + 1))
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        ended = self.t >= self.length
+        info = {"n_nodes": 0} if self.t % 3 else {}
+        return self._obs(), float(action), ended, False, info
+
+
+class SequenceEnv(gym.Env):
+    """A Dict holding a Sequence (variable length) next to a Box."""
+
+    def __init__(self, max_len: int = 8) -> None:
+        self.observation_space = spaces.Dict(
+            {
+                "seq": spaces.Sequence(spaces.Box(0.0, 1.0, (2,), np.float64)),
+                "x": spaces.Box(-1.0, 1.0, (1,), np.float32),
+            }
+        )
+        self.action_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self.max_len = max_len
+        self.t = 0
+        self.length = 1
+
+    def _obs(self, x=0.0):
+        k = int(self.np_random.integers(0, 4))
+        return {
+            "seq": tuple(self.np_random.uniform(0, 1, 2) for _ in range(k)),
+            "x": np.array([x], dtype=np.float32),
+        }
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.length = int(self.np_random.integers(1, self.max_len + 1))
+        return self._obs(), {"start": True}
+
+    def step(self, action):
+        self.t += 1
+        ended = self.t >= self.length
+        return self._obs(float(action[0])), float(action[0]), False, ended, {}
+
+
+class CountingEnv(gym.Env):
+    """Observation = number of steps since reset (plus an offset set by set_attr).
+
+    Optional knobs: sleep ``delay`` seconds in step; end the episode after
+    ``episode_len`` steps.
+    """
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 30}
+
+    def __init__(
+        self,
+        episode_len: int = 1000,
+        delay: float = 0.0,
+        render_mode: str | None = None,
+        tag: str = "",
+    ) -> None:
+        self.observation_space = spaces.Box(0, 1_000_000, (2,), np.int64)
+        self.action_space = spaces.Discrete(4)
+        self.episode_len = episode_len
+        self.delay = delay
+        self.render_mode = render_mode
+        self.tag = tag
+        self.offset = 0
+        self.t = 0
+
+    def _obs(self, action: int = 0):
+        return np.array([self.t + self.offset, action], dtype=np.int64)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        if self.delay:
+            time.sleep(self.delay)
+        self.t += 1
+        ended = self.t >= self.episode_len
+        return self._obs(int(action)), float(self.t), ended, False, {}
+
+    def render(self):
+        if self.render_mode == "rgb_array":
+            return np.full((3, 5, 3), self.t % 256, dtype=np.uint8)
+        return None
+
+    def double(self, x):
+        return 2 * x + self.offset
+
+
+class FailingEnv(CountingEnv):
+    """Raises EnvBoom in step ``fail_step`` (1-based) and in reset when
+    ``options`` has ``"fail"``; only if ``index == fail_index``."""
+
+    def __init__(self, index: int, fail_index: int, fail_step: int = 3) -> None:
+        super().__init__()
+        self.index = index
+        self.fail_index = fail_index
+        self.fail_step = fail_step
+
+    def reset(self, *, seed=None, options=None):
+        if options and options.get("fail") and self.index == self.fail_index:
+            raise EnvBoom(f"reset boom in env {self.index}")
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self.index == self.fail_index and self.t + 1 == self.fail_step:
+            raise EnvBoom(f"step boom in env {self.index} at step {self.fail_step}")
+        return super().step(action)
+
+
+class SelfKillingEnv(CountingEnv):
+    """SIGKILLs its own process in step ``kill_step`` if ``index == kill_index``."""
+
+    def __init__(self, index: int, kill_index: int, kill_step: int = 2) -> None:
+        super().__init__()
+        self.index = index
+        self.kill_index = kill_index
+        self.kill_step = kill_step
+
+    def step(self, action):
+        if self.index == self.kill_index and self.t + 1 == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().step(action)
+
+
+class WrongShapeEnv(gym.Env):
+    """Declares Box(shape=(4,)) but env ``bad_index`` returns ``kind`` obs:
+    ``"short"`` an array of shape (3,), ``"long_list"`` a list of 5 floats,
+    ``"scalar"`` a numpy scalar, ``"column"`` an array of shape (4, 1)."""
+
+    def __init__(self, index: int, bad_index: int, kind: str) -> None:
+        self.observation_space = spaces.Box(-10.0, 10.0, (4,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self.index = index
+        self.bad_index = bad_index
+        self.kind = kind
+
+    def _obs(self):
+        if self.index != self.bad_index:
+            return np.zeros(4, dtype=np.float32)
+        if self.kind == "short":
+            return np.zeros(3, dtype=np.float32)
+        if self.kind == "long_list":
+            return [0.0] * 5
+        if self.kind == "scalar":
+            return np.float32(1.5)
+        if self.kind == "column":
+            return np.zeros((4, 1), dtype=np.float32)
+        raise ValueError(self.kind)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(4, dtype=np.float32), {}
+
+    def step(self, action):
+        return self._obs(), 0.0, False, False, {}
+
+
+class RaisingEnvFactory:
+    """An env_fn that raises ``EnvBoom`` when called (picklable)."""
+
+    def __call__(self):
+        raise EnvBoom("env_fn failed on purpose")
+
+
+# --------------------------------------------------------------- factories
+
+
+def make_gym(env_id: str, **kwargs) -> gym.Env:
+    return gym.make(env_id, **kwargs)
+
+
+def gym_fns(env_id: str, n: int, **kwargs) -> list:
+    return [functools.partial(make_gym, env_id, **kwargs) for _ in range(n)]
+
+
+def class_fns(cls, n: int, **kwargs) -> list:
+    return [functools.partial(cls, **kwargs) for _ in range(n)]
+
+
+def indexed_fns(cls, n: int, **kwargs) -> list:
+    """env_fns[i] builds cls(index=i, **kwargs)."""
+    return [functools.partial(cls, index=i, **kwargs) for i in range(n)]
+
+
+#: Equivalence test cases: name -> (factory of n env_fns).
+ENV_CASES = {
+    "CartPole-v1": lambda n: gym_fns("CartPole-v1", n),
+    "MountainCar-v0": lambda n: gym_fns("MountainCar-v0", n, max_episode_steps=15),
+    "Acrobot-v1": lambda n: gym_fns("Acrobot-v1", n, max_episode_steps=15),
+    "Pendulum-v1": lambda n: gym_fns("Pendulum-v1", n, max_episode_steps=12),
+    "FrozenLake-v1": lambda n: gym_fns("FrozenLake-v1", n),
+    "Taxi-v3": lambda n: gym_fns("Taxi-v3", n, max_episode_steps=12),
+    "Blackjack-v1": lambda n: gym_fns("Blackjack-v1", n),
+    "CustomSpaceEnv": lambda n: class_fns(CustomSpaceEnv, n),
+}

@@ -1,0 +1,62 @@
+"""Comparison helpers shared by the test files."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+
+def assert_same(a: Any, b: Any, path: str = "") -> None:
+    """Bit-for-bit equality of two (possibly nested) values, types included.
+
+    ndarrays must agree in dtype, shape and content (object arrays element by
+    element, recursively); dicts in their key sets (order ignored); tuples and
+    lists element by element; scalars in type and value.
+    """
+    where = path or "<root>"
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), (
+            f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        )
+        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} vs {b.dtype}"
+        assert a.shape == b.shape, f"{where}: shape {a.shape} vs {b.shape}"
+        if a.dtype == object:
+            for index in np.ndindex(a.shape):
+                assert_same(a[index], b[index], f"{path}[{index}]")
+        else:
+            assert np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"), (
+                f"{where}: values differ\n{a}\nvs\n{b}"
+            )
+        return
+    assert type(a) is type(b), f"{where}: type {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and np.isnan(a):
+        assert np.isnan(b), f"{where}: {a!r} vs {b!r}"
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def dev_shm_files() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
