@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -229,6 +230,7 @@ class ShmVectorEnv(VectorEnv):
             autoreset_mode=_AUTORESET_CODES[self.autoreset_mode],
             spin_ns=self._worker_spin_ns,
             main_pid=os.getpid(),
+            use_death_signal=threading.current_thread() is threading.main_thread(),
         )
 
     def _spawn_workers(self, env_fns: list) -> None:

@@ -55,6 +55,9 @@ class WorkerSpec:
     autoreset_mode: int
     spin_ns: int
     main_pid: int
+    # PR_SET_PDEATHSIG fires when the *thread* that forked us exits: only
+    # safe when that is the main thread. The watchdog covers the rest.
+    use_death_signal: bool
 
 
 class SegmentFd:
@@ -134,10 +137,11 @@ def _check_spaces(spec: WorkerSpec, env, row: int) -> None:
 def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
     """Entry point of a worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's
-    try:
-        _core.set_parent_death_signal(signal.SIGKILL)
-    except OSError:
-        pass  # the watchdog below still notices
+    if spec.use_death_signal:
+        try:
+            _core.set_parent_death_signal(signal.SIGKILL)
+        except OSError:
+            pass  # the watchdog in Worker.serve still notices
     segment = _core.Segment.attach(segment_fd.fd)
     os.close(segment_fd.fd)
     try:
