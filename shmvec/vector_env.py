@@ -34,7 +34,7 @@ from shmvec import _core
 from shmvec import infos as infos_columns
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.layout import SegmentLayout, make_codec
-from shmvec.spin import available_cpus, default_spin_ns
+from shmvec.spin import SpinPolicy, available_cpus, default_spin
 from shmvec.worker import (
     CALL,
     CLOSE,
@@ -88,8 +88,8 @@ class ShmVectorEnv(VectorEnv):
             steps its envs one after another).
         num_workers: worker processes; default ``min(num_envs, cpus)``.
         ring_depth: result slots in the ring (>= 2).
-        spin_ns: how long a waiter spins before it sleeps; default from
-            ``shmvec.spin.default_spin_ns``.
+        spin_ns: how long a waiter (main or worker) spins before it sleeps on
+            its futex; default ``shmvec.spin.default_spin``.
     """
 
     def __init__(
@@ -150,12 +150,7 @@ class ShmVectorEnv(VectorEnv):
             )
         self.num_workers = num_workers
         self.ring_depth = ring_depth
-        self._spin_ns = default_spin_ns(num_workers) if spin_ns is None else int(spin_ns)
-        self._worker_spin_ns = self._spin_ns
-        if os.environ.get("SHMVEC_MAIN_SPIN_NS"):
-            self._spin_ns = int(os.environ["SHMVEC_MAIN_SPIN_NS"])
-        if os.environ.get("SHMVEC_WORKER_SPIN_NS"):
-            self._worker_spin_ns = int(os.environ["SHMVEC_WORKER_SPIN_NS"])
+        self._spin = default_spin(num_workers) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
         self._obs_codec = make_codec(self.single_observation_space, shared_memory)
         self._action_codec = make_codec(self.single_action_space)
         self._state = AsyncState.DEFAULT
@@ -228,7 +223,7 @@ class ShmVectorEnv(VectorEnv):
             observation_mode=mode,
             shared_memory=self.shared_memory,
             autoreset_mode=_AUTORESET_CODES[self.autoreset_mode],
-            spin_ns=self._worker_spin_ns,
+            spin_ns=self._spin.worker_ns,
             main_pid=os.getpid(),
             use_death_signal=threading.current_thread() is threading.main_thread(),
         )
@@ -520,7 +515,7 @@ class ShmVectorEnv(VectorEnv):
             budget = LIVENESS_CHECK_S
             if deadline is not None:
                 budget = min(budget, max(deadline - time.monotonic(), 0.0))
-            if self._barrier.wait_done(self._spin_ns, int(budget * 1e9)):
+            if self._barrier.wait_done(self._spin.main_ns, int(budget * 1e9)):
                 return
             for index in range(self.num_workers):
                 self._check_alive(index)
