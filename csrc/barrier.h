@@ -67,6 +67,10 @@ class StepBarrier {
   WaitStatus wait_done(int64_t spin_ns, int64_t timeout_ns) noexcept;
   // [main] Arrivals so far in the current round.
   uint32_t arrived() const noexcept;
+  // [any] The current generation, without waiting.
+  uint32_t generation() const noexcept {
+    return w_->generation.value.load(std::memory_order_acquire);
+  }
 
   // [worker] Waits for a generation other than `last_generation`.
   WaitStatus wait_command(uint32_t last_generation, int64_t spin_ns,

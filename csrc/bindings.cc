@@ -13,6 +13,7 @@
 
 #include "barrier.h"
 #include "futex.h"
+#include "result_ring.h"
 #include "segment.h"
 
 namespace py = pybind11;
@@ -58,6 +59,34 @@ struct PyBarrier {
 
   py::object segment;
   StepBarrier barrier;
+};
+
+// Words of `size` bytes at `offset` inside the segment, checked.
+uint8_t* words_at(Segment& seg, size_t offset, size_t size) {
+  if (offset % 64 != 0 || offset + size > seg.size()) {
+    throw py::value_error("words out of the segment or not on a cache line");
+  }
+  return seg.data() + offset;
+}
+
+struct PyRing {
+  PyRing(py::object segment_obj, size_t offset, uint32_t num_slots, uint32_t batch_size)
+      : segment(std::move(segment_obj)),
+        ring(words_at(segment.cast<Segment&>(), offset, shmvec::ResultRing::bytes(num_slots)),
+             num_slots, batch_size) {
+    if (batch_size == 0 || num_slots == 0) throw py::value_error("empty ring");
+  }
+  py::object segment;
+  shmvec::ResultRing ring;
+};
+
+struct PyDoorbell {
+  PyDoorbell(py::object segment_obj, size_t offset)
+      : segment(std::move(segment_obj)),
+        bell(reinterpret_cast<shmvec::DoorbellWords*>(
+            words_at(segment.cast<Segment&>(), offset, sizeof(shmvec::DoorbellWords)))) {}
+  py::object segment;
+  shmvec::Doorbell bell;
 };
 
 }  // namespace
@@ -117,6 +146,7 @@ timeout waits for ever.
           py::arg("spin_ns"), py::arg("timeout_ns"),
           "True once every worker arrived, False on timeout.")
       .def("arrived", [](PyBarrier& b) { return b.barrier.arrived(); })
+      .def_property_readonly("generation", [](PyBarrier& b) { return b.barrier.generation(); })
       .def(
           "wait_command",
           [](PyBarrier& b, uint32_t last_generation, int64_t spin_ns,
@@ -134,6 +164,56 @@ timeout waits for ever.
           py::arg("last_generation"), py::arg("spin_ns"), py::arg("timeout_ns"),
           "(generation, kind, arg) of the next command, or None on timeout.")
       .def("arrive", [](PyBarrier& b) { b.barrier.arrive(); });
+
+  py::class_<PyRing>(m, "ResultRing", R"doc(
+The async engine's result ring (csrc/result_ring.h): workers claim rows in
+arrival order; the main process waits for a slot to fill. claim/publish are
+exposed for tests; the workers call them from Cython.
+)doc")
+      .def(py::init<py::object, size_t, uint32_t, uint32_t>(), py::arg("segment"),
+           py::arg("offset"), py::arg("num_slots"), py::arg("batch_size"))
+      .def_static("nbytes", &shmvec::ResultRing::bytes, py::arg("num_slots"))
+      .def("claim",
+           [](PyRing& r) {
+             shmvec::RowRef ref = r.ring.claim();
+             return py::make_tuple(ref.slot, ref.row);
+           })
+      .def("publish", [](PyRing& r, uint32_t slot) { r.ring.publish(slot); }, py::arg("slot"))
+      .def(
+          "wait_full",
+          [](PyRing& r, uint32_t slot, int64_t spin_ns, int64_t timeout_ns) {
+            WaitStatus s;
+            {
+              py::gil_scoped_release release;
+              s = r.ring.wait_full(slot, spin_ns, timeout_ns);
+            }
+            check_wait(s);
+            return s == WaitStatus::kReady;
+          },
+          py::arg("slot"), py::arg("spin_ns"), py::arg("timeout_ns"),
+          "True once the slot is full, False on timeout.")
+      .def("filled", [](PyRing& r, uint32_t slot) { return r.ring.filled(slot); })
+      .def("release", [](PyRing& r, uint32_t slot) { r.ring.release(slot); });
+
+  py::class_<PyDoorbell>(m, "Doorbell", "A worker's doorbell (csrc/result_ring.h).")
+      .def(py::init<py::object, size_t>(), py::arg("segment"), py::arg("offset"))
+      .def_property_readonly_static(
+          "nbytes", [](py::object) { return sizeof(shmvec::DoorbellWords); })
+      .def("ring", [](PyDoorbell& d) { d.bell.ring(); })
+      .def(
+          "wait",
+          [](PyDoorbell& d, uint32_t last, int64_t spin_ns, int64_t timeout_ns) -> py::object {
+            uint32_t seen = 0;
+            WaitStatus s;
+            {
+              py::gil_scoped_release release;
+              s = d.bell.wait(last, spin_ns, timeout_ns, &seen);
+            }
+            check_wait(s);
+            if (s != WaitStatus::kReady) return py::none();
+            return py::int_(seen);
+          },
+          py::arg("last"), py::arg("spin_ns"), py::arg("timeout_ns"));
 
   // Raw word operations, for tests of the futex layer across processes.
   m.def(

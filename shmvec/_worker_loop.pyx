@@ -36,11 +36,13 @@ cdef extern from "barrier.h" namespace "shmvec":
         WaitStatus wait_command(uint32_t last_generation, int64_t spin_ns,
                                 int64_t timeout_ns, Command* out) nogil
         void arrive() nogil
+        uint32_t generation() nogil
 
 # Autoreset modes, as ints (shmvec.worker maps gymnasium's enum onto them).
-NEXT_STEP = 0
-SAME_STEP = 1
-DISABLED = 2
+cdef enum:
+    NEXT_STEP = 0
+    SAME_STEP = 1
+    DISABLED = 2
 
 
 cdef class WorkerBarrier:
@@ -73,6 +75,10 @@ cdef class WorkerBarrier:
         with nogil:
             self.barrier.arrive()
 
+    def generation_now(self):
+        """The current generation, without waiting."""
+        return self.barrier.generation()
+
 
 cdef class InfoColumns:
     """A worker's writer of numeric scalar infos into a slot (see shmvec/infos.py).
@@ -101,6 +107,7 @@ cdef class InfoColumns:
     cdef bint write(self, dict info, Py_ssize_t row, list announced) except -1:
         """Stores ``info`` in the columns of ``row``; False if it must be pickled."""
         cdef int code
+        cdef Py_ssize_t col
         cdef Py_ssize_t new_keys = 0
         for key, value in info.items():
             code = _CODES.get(type(value), 0)
@@ -113,11 +120,13 @@ cdef class InfoColumns:
         if len(self.schema) + new_keys > INFO_COLUMNS:
             return False
         for key, value in info.items():
-            col = self.schema.get(key)
-            if col is None:
+            known = self.schema.get(key)
+            if known is None:
                 col = len(self.schema)
                 self.schema[key] = col
                 announced.append((key, col))
+            else:
+                col = known
             code = _CODES[type(value)]
             self.codes[row, col] = code
             kind = _CELL_KINDS[code]
@@ -130,24 +139,83 @@ cdef class InfoColumns:
         return True
 
 
+cdef class Stepper:
+    """Steps one env under an autoreset mode and writes its results into a row.
+
+    Shared by the sync block loop (``step_envs``) and the async engine
+    (``step_pending``). Action rows are env ids; result rows are env ids in
+    sync mode and claimed ring rows in async mode.
+    """
+
+    cdef object action_codec, obs_codec, action_column, obs_column, obs_shape
+    cdef bint direct_action, copy_action, direct_obs
+    cdef int mode
+
+    def __cinit__(self, object action_codec, object obs_codec, int mode):
+        self.action_codec = action_codec
+        self.obs_codec = obs_codec
+        self.mode = mode
+        # The common case, one array column each way, skips the codec calls.
+        self.direct_action = type(action_codec).__name__ == "ArrayCodec"
+        self.copy_action = self.direct_action and len(action_codec.spec.shape) > 0
+        self.direct_obs = type(obs_codec).__name__ == "ArrayCodec"
+        self.obs_shape = obs_codec.spec.shape if self.direct_obs else None
+
+    cdef object read_action(self, list action_views, Py_ssize_t env_id):
+        cdef object action
+        if self.direct_action:
+            action = action_views[0][env_id]
+            return action.copy() if self.copy_action else action
+        return self.action_codec.read(action_views, env_id)
+
+    cdef tuple advance(self, object env, object action, bint reset_first):
+        """(obs, reward, terminated, truncated, infos to merge or None)."""
+        cdef object obs, reward, terminated, truncated, info, final_obs, final_info
+        if self.mode == NEXT_STEP and reset_first:
+            obs, info = env.reset()
+            return obs, 0.0, False, False, ([info] if info else None)
+        obs, reward, terminated, truncated, info = env.step(action)
+        if self.mode == SAME_STEP and (terminated or truncated):
+            final_obs, final_info = obs, info
+            obs, info = env.reset()
+            merged = [{"final_obs": final_obs, "final_info": final_info}]
+            if info:
+                merged.append(info)
+            return obs, reward, terminated, truncated, merged
+        return obs, reward, terminated, truncated, ([info] if info else None)
+
+    cdef void write(self, object obs_views, double[::1] rewards,
+                    uint8_t[::1] terminations, uint8_t[::1] truncations,
+                    Py_ssize_t row, tuple result) except *:
+        """Stores ``result`` (from ``advance``) at ``row``."""
+        obs, reward, terminated, truncated = result[0], result[1], result[2], result[3]
+        if self.direct_obs:
+            if type(obs) is _ndarray and obs.shape != self.obs_shape:
+                self.obs_codec.write(obs_views, row, obs)  # raises, naming the field
+            obs_views[0][row] = obs
+        else:
+            self.obs_codec.write(obs_views, row, obs)
+        rewards[row] = reward
+        terminations[row] = 1 if terminated else 0
+        truncations[row] = 1 if truncated else 0
+
+
 def step_envs(
+    Stepper stepper,
     list envs,
     Py_ssize_t first_row,
-    object action_codec,
     list action_views,
-    object obs_codec,
-    list obs_views,
+    object obs_views,
     double[::1] rewards,
     uint8_t[::1] terminations,
     uint8_t[::1] truncations,
     uint8_t[::1] autoreset,
     InfoColumns info_columns,
-    int mode,
 ):
-    """Steps ``envs`` (rows ``first_row ...``) and writes their results.
+    """Sync mode: steps ``envs`` (rows ``first_row ...``) and writes their results.
 
     ``action_views`` are the action slab's columns, or, for a pickled action
-    space, the list of this block's actions. ``obs_views`` are the ring slot's
+    space, a list of per-env actions. ``obs_views`` are the ring slot's
     observation columns, or a dict that collects pickled observations.
     ``autoreset`` holds, per env of the block, whether its previous step ended
     an episode (NEXT_STEP mode resets it now instead of stepping).
@@ -160,62 +228,20 @@ def step_envs(
     traceback_text)``. An env that raised keeps its previous results.
     """
     cdef Py_ssize_t i, row
-    cdef Py_ssize_t n = len(envs)
-    cdef bint ended
-    cdef object env, action, obs, reward, terminated, truncated, info
-    cdef object final_obs, final_info
     cdef list infos = []
     cdef list errors = []
     cdef list announced = []
-    # The common case, one array column each way, skips the codec calls.
-    cdef bint direct_action = not action_codec.pickled and len(action_views) == 1 \
-        and type(action_codec).__name__ == "ArrayCodec"
-    cdef bint direct_obs = not obs_codec.pickled and len(obs_views) == 1 \
-        and type(obs_codec).__name__ == "ArrayCodec"
-    cdef object action_column = action_views[0] if direct_action else None
-    cdef object obs_column = obs_views[0] if direct_obs else None
-    cdef object obs_shape = obs_codec.spec.shape if direct_obs else None
-    cdef bint copy_action = direct_action and len(action_codec.spec.shape) > 0
-
-    for i in range(n):
+    cdef tuple result
+    for i in range(len(envs)):
         row = first_row + i
-        env = envs[i]
         info_columns.clear(row)
         try:
-            if mode == NEXT_STEP and autoreset[i]:
-                obs, info = env.reset()
-                reward = 0.0
-                terminated = False
-                truncated = False
-                merged = [info] if info else None
-            else:
-                if direct_action:
-                    action = action_column[row]
-                    if copy_action:
-                        action = action.copy()
-                else:
-                    action = action_codec.read(action_views, row)
-                obs, reward, terminated, truncated, info = env.step(action)
-                ended = bool(terminated) or bool(truncated)
-                if mode == SAME_STEP and ended:
-                    final_obs, final_info = obs, info
-                    obs, info = env.reset()
-                    merged = [{"final_obs": final_obs, "final_info": final_info}]
-                    if info:
-                        merged.append(info)
-                else:
-                    merged = [info] if info else None
-            if direct_obs:
-                if type(obs) is _ndarray and obs.shape != obs_shape:
-                    obs_codec.write(obs_views, row, obs)  # raises, naming the field
-                obs_column[row] = obs
-            else:
-                obs_codec.write(obs_views, row, obs)
-            rewards[row] = reward
-            ended = bool(terminated) or bool(truncated)
-            terminations[row] = 1 if terminated else 0
-            truncations[row] = 1 if truncated else 0
-            autoreset[i] = ended
+            action = None if (stepper.mode == NEXT_STEP and autoreset[i]) \
+                else stepper.read_action(action_views, row)
+            result = stepper.advance(envs[i], action, autoreset[i])
+            stepper.write(obs_views, rewards, terminations, truncations, row, result)
+            autoreset[i] = 1 if (result[2] or result[3]) else 0
+            merged = result[4]
             if merged is not None and not (
                 len(merged) == 1 and info_columns.write(merged[0], row, announced)
             ):
@@ -223,6 +249,152 @@ def step_envs(
         except Exception as exc:  # noqa: BLE001 - re-raised in the main process
             errors.append((row, exc, _format_exc()))
     return infos, errors, announced
+
+
+cdef extern from "result_ring.h" namespace "shmvec":
+    cdef struct RowRef:
+        uint32_t slot
+        uint32_t row
+
+    cdef cppclass ResultRing:
+        ResultRing(void* words, uint32_t num_slots, uint32_t batch_size) nogil
+        RowRef claim() nogil
+        void publish(uint32_t slot) nogil
+
+    cdef cppclass DoorbellWords:
+        pass
+
+    cdef cppclass Doorbell:
+        Doorbell(DoorbellWords* words) nogil
+        WaitStatus wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
+                        uint32_t* out) nogil
+
+
+cdef class WorkerDoorbell:
+    """A worker's side of its Doorbell at ``address`` (csrc/result_ring.h)."""
+
+    cdef Doorbell* bell
+
+    def __cinit__(self, uintptr_t address):
+        self.bell = new Doorbell(<DoorbellWords*>address)
+
+    def __dealloc__(self):
+        del self.bell
+
+    def wait(self, uint32_t last, int64_t spin_ns, int64_t timeout_ns):
+        """The new ring count, or None on timeout."""
+        cdef uint32_t seen = 0
+        cdef WaitStatus status
+        with nogil:
+            status = self.bell.wait(last, spin_ns, timeout_ns, &seen)
+        if status == WaitStatus.kReady:
+            return seen
+        if status == WaitStatus.kTimedOut:
+            return None
+        raise OSError(errno, "futex wait failed in a shmvec worker")
+
+
+cdef class WorkerRing:
+    """A worker's side of the ResultRing at ``address`` (csrc/result_ring.h)."""
+
+    cdef ResultRing* ring
+
+    def __cinit__(self, uintptr_t address, uint32_t num_slots, uint32_t batch_size):
+        self.ring = new ResultRing(<void*>address, num_slots, batch_size)
+
+    def __dealloc__(self):
+        del self.ring
+
+
+# Env commands of the async engine (one uint8 per env in the segment).
+ENV_IDLE = 0
+ENV_STEP = 1
+ENV_RESET = 2
+
+
+def step_pending(
+    Stepper stepper,
+    WorkerRing ring,
+    list envs,
+    Py_ssize_t first_env,
+    uint8_t[::1] commands,
+    dict reset_args,
+    list action_views,
+    list slots,
+    list info_columns,
+    uint8_t[::1] autoreset,
+    object send_message,
+):
+    """Async mode: runs every env of the block that has a command, in env order.
+
+    For each: clears its command, resets or steps it, claims the next ring
+    row, writes the results and its env id there, and publishes the row. Infos
+    that are not columns, errors and pickled observations go to
+    ``send_message(dict)`` *after* the publish. ``commands`` is the block's
+    slice of the env commands; ``reset_args`` maps env id to (seed, options).
+
+    A row whose info opened new info columns carries ``info_columns`` in its
+    message, so the main process learns them before it decodes that row.
+    """
+    cdef Py_ssize_t i, env_id
+    cdef uint8_t command
+    cdef RowRef ref
+    cdef list announced
+    cdef tuple result
+    cdef InfoColumns columns
+    for i in range(len(envs)):
+        command = commands[i]
+        if command == ENV_IDLE:
+            continue
+        commands[i] = ENV_IDLE  # before the publish: main may send again right after
+        env_id = first_env + i
+        error = None
+        try:
+            if command == ENV_RESET:
+                seed, options = reset_args.pop(env_id)
+                obs, info = envs[i].reset(seed=seed, options=options)
+                result = (obs, 0.0, False, False, [info] if info else None)
+            else:
+                action = None if (stepper.mode == NEXT_STEP and autoreset[i]) \
+                    else stepper.read_action(action_views, env_id)
+                result = stepper.advance(envs[i], action, autoreset[i])
+            autoreset[i] = 1 if (result[2] or result[3]) else 0
+        except Exception as exc:  # noqa: BLE001 - re-raised in the main process
+            error = (env_id, exc, _format_exc())
+        with nogil:
+            ref = ring.ring.claim()
+        slot = slots[ref.slot]
+        columns = info_columns[ref.slot]
+        columns.clear(ref.row)
+        message = None
+        announced = []
+        if error is None:
+            obs_target = {} if stepper.obs_codec.pickled else slot.obs
+            try:
+                stepper.write(obs_target, slot.rewards, slot.terminations,
+                              slot.truncations, ref.row, result)
+                merged = result[4]
+                if merged is not None and not (
+                    len(merged) == 1 and columns.write(merged[0], ref.row, announced)
+                ):
+                    message = {"infos": [(ref.row, merged)]}
+                if stepper.obs_codec.pickled:
+                    message = message or {}
+                    message["obs"] = obs_target
+                if announced:
+                    message = message or {}
+                    message["info_columns"] = announced
+            except Exception as exc:  # noqa: BLE001
+                error = (env_id, exc, _format_exc())
+        if error is not None:
+            message = {"errors": [error]}
+        slot.env_ids[ref.row] = env_id
+        slot.messages[ref.row] = 0 if message is None else 1
+        with nogil:
+            ring.ring.publish(ref.slot)
+        if message is not None:
+            message["row"] = (ref.slot, ref.row)
+            send_message(message)
 
 
 def _format_exc():

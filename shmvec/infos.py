@@ -52,21 +52,24 @@ def _decode(code: int, cell: np.ndarray) -> Any:
 
 
 def gather(
-    schemas: list[dict], blocks: list[range], codes: np.ndarray, cells: np.ndarray
+    schemas: list[dict], groups: list, codes: np.ndarray, cells: np.ndarray, rows: int
 ) -> dict[Any, tuple[np.ndarray, np.ndarray]]:
-    """Per key: (codes, cells) arrays of length num_envs, from every worker's columns."""
-    n = codes.shape[0]
+    """Per key: (codes, cells) arrays of length ``rows``, from every worker's columns.
+
+    ``groups[w]`` selects the rows worker ``w`` wrote (a slice or index array):
+    each worker numbers its columns on its own.
+    """
     gathered: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
-    for schema, rows in zip(schemas, blocks):
+    for schema, group in zip(schemas, groups):
         for key, col in schema.items():
-            block_codes = codes[rows.start : rows.stop, col]
-            if not block_codes.any():
+            group_codes = codes[group, col]
+            if not group_codes.any():
                 continue
             if key not in gathered:
-                gathered[key] = (np.zeros(n, np.uint8), np.zeros(n, np.uint64))
+                gathered[key] = (np.zeros(rows, np.uint8), np.zeros(rows, np.uint64))
             key_codes, key_cells = gathered[key]
-            key_codes[rows.start : rows.stop] = block_codes
-            key_cells[rows.start : rows.stop] = cells[rows.start : rows.stop, col]
+            key_codes[group] = group_codes
+            key_cells[group] = cells[group, col]
     return gathered
 
 
@@ -87,7 +90,7 @@ def merge_columns(infos: dict, gathered: dict, num_envs: int) -> dict:
     return infos
 
 
-def column_dicts(gathered: dict, num_envs: int) -> list[tuple[int, list[dict]]]:
+def column_dicts(gathered: dict) -> list[tuple[int, list[dict]]]:
     """The per-env info dicts behind the columns, for merging with pickled infos."""
     per_row: dict[int, dict] = {}
     for key, (key_codes, key_cells) in gathered.items():

@@ -69,6 +69,10 @@ class Codec:
         """[worker] One env's value (an action), as a private copy."""
         raise NotImplementedError
 
+    def write_rows(self, views: list[np.ndarray], rows: np.ndarray, value: Any) -> None:
+        """[main] Stores a batch of values (actions) at ``rows`` only."""
+        raise NotImplementedError
+
 
 class ArrayCodec(Codec):
     """Box, Discrete, MultiDiscrete and MultiBinary: one column."""
@@ -93,12 +97,19 @@ class ArrayCodec(Codec):
         return views[0].copy() if copy else views[0]
 
     def write_batch(self, views, value):
-        out = views[0]
+        self._check_and_copy(views[0], value)
+
+    def write_rows(self, views, rows, value):
+        out = np.empty((len(rows), *self.spec.shape), self.spec.dtype)
+        self._check_and_copy(out, value)
+        views[0][rows] = out
+
+    def _check_and_copy(self, out: np.ndarray, value) -> None:
         array = np.asarray(value)
         if array.shape != out.shape:
             raise ValueError(
                 f"actions{self.path} have shape {array.shape}, expected {out.shape} "
-                f"for the batched action space {self.space} over {out.shape[0]} envs"
+                f"for the action space {self.space} over {out.shape[0]} envs"
             )
         if not np.can_cast(array.dtype, out.dtype, casting="same_kind"):
             raise TypeError(
@@ -151,9 +162,12 @@ class TextCodec(Codec):
         return tuple(self._decode(row) for row in views[0])
 
     def write_batch(self, views, value):
-        if len(value) != views[0].shape[0]:
-            raise ValueError(f"actions{self.path}: expected {views[0].shape[0]} texts")
-        for row, text in enumerate(value):
+        self.write_rows(views, range(views[0].shape[0]), value)
+
+    def write_rows(self, views, rows, value):
+        if len(value) != len(rows):
+            raise ValueError(f"actions{self.path}: expected {len(rows)} texts, got {len(value)}")
+        for row, text in zip(rows, value):
             self.write(views, row, text)
 
     def read(self, views, row):
@@ -186,6 +200,10 @@ class DictCodec(Codec):
     def write_batch(self, views, value):
         for key, child, sub in self._split(views):
             child.write_batch(sub, value[key])
+
+    def write_rows(self, views, rows, value):
+        for key, child, sub in self._split(views):
+            child.write_rows(sub, rows, value[key])
 
     def read(self, views, row):
         return {key: child.read(sub, row) for key, child, sub in self._split(views)}
@@ -277,11 +295,12 @@ def _align(offset: int, alignment: int = CACHE_LINE) -> int:
 class SegmentLayout:
     """Byte offsets of every region of the segment.
 
-    ``header | barrier | worker words | action slab | ring slot 0 .. D-1``,
-    each region and each column starting on its own cache line. A ring slot
-    holds, for every env, the observation columns, the reward (float64),
-    terminated and truncated (uint8), and the info columns (INFO_COLUMNS type
-    codes, uint8, and as many 8-byte cells; see shmvec/infos.py).
+    ``header | barrier | worker words | ring words | doorbells | env commands |
+    action slab | ring slot 0 .. D-1``, each region and each column starting
+    on its own cache line. A ring slot holds ``rows`` results (all envs in sync
+    mode, ``batch_size`` in async mode): the observation columns, the reward
+    (float64), terminated and truncated (uint8), the info columns (see
+    shmvec/infos.py), the env id (int32) and a message flag (uint8).
 
     Built identically in the main process and in each worker from the same
     arguments, so only the arguments travel to the workers.
@@ -293,24 +312,34 @@ class SegmentLayout:
         self,
         num_envs: int,
         num_workers: int,
-        barrier_bytes: int,
         action_columns: list[ColumnSpec],
         obs_columns: list[ColumnSpec],
-        ring_depth: int,
+        num_slots: int,
+        rows: int,
+        word_bytes: WordBytes,
     ) -> None:
-        if ring_depth < 2:
-            raise ValueError(f"ring_depth must be >= 2, got {ring_depth}")
+        if num_slots < 2:
+            raise ValueError(f"ring_depth must be >= 2, got {num_slots}")
         self.num_envs = num_envs
         self.num_workers = num_workers
-        self.ring_depth = ring_depth
+        self.num_slots = num_slots
+        self.rows = rows
         offset = self.HEADER_BYTES
         self.barrier_offset = offset = _align(offset)
-        offset += barrier_bytes
+        offset += word_bytes.barrier
         # One uint32 per worker, each on its own line: "a message follows".
         self.worker_words_offset = offset = _align(offset)
         offset += num_workers * CACHE_LINE
-        self.action_offsets, offset = self._place(offset, action_columns)
+        self.ring_offset = offset = _align(offset)
+        offset += word_bytes.ring
+        self.doorbell_offsets = []
+        for _ in range(num_workers):
+            self.doorbell_offsets.append(_align(offset))
+            offset = self.doorbell_offsets[-1] + word_bytes.doorbell
+        self.env_commands_offset = offset = _align(offset)
+        offset += num_envs
         self.action_columns = action_columns
+        self.action_offsets, offset = self._place(offset, action_columns, num_envs)
         self.obs_columns = obs_columns
         slot_columns = [
             *obs_columns,
@@ -319,51 +348,78 @@ class SegmentLayout:
             ColumnSpec(np.dtype(np.uint8), ()),
             ColumnSpec(np.dtype(np.uint8), (INFO_COLUMNS,)),
             ColumnSpec(np.dtype(np.uint64), (INFO_COLUMNS,)),
+            ColumnSpec(np.dtype(np.int32), ()),
+            ColumnSpec(np.dtype(np.uint8), ()),
         ]
         self.slot_columns = slot_columns
         self.slot_offsets = []
-        for _ in range(ring_depth):
-            offsets, offset = self._place(offset, slot_columns)
+        for _ in range(num_slots):
+            offsets, offset = self._place(offset, slot_columns, rows)
             self.slot_offsets.append(offsets)
         self.total_bytes = _align(offset, 4096)
 
-    def _place(self, offset: int, columns: list[ColumnSpec]) -> tuple[list[int], int]:
+    @staticmethod
+    def _place(offset: int, columns: list[ColumnSpec], rows: int) -> tuple[list[int], int]:
         offsets = []
         for spec in columns:
             offset = _align(offset)
             offsets.append(offset)
-            offset += self.num_envs * spec.dtype.itemsize * math.prod(spec.shape)
+            offset += rows * spec.dtype.itemsize * math.prod(spec.shape)
         return offsets, offset
 
-    def _views(self, buffer, offsets, columns) -> list[np.ndarray]:
+    @staticmethod
+    def _views(buffer, offsets, columns, rows) -> list[np.ndarray]:
         return [
-            np.ndarray((self.num_envs, *spec.shape), spec.dtype, buffer=buffer, offset=off)
+            np.ndarray((rows, *spec.shape), spec.dtype, buffer=buffer, offset=off)
             for off, spec in zip(offsets, columns)
         ]
 
     def worker_words(self, buffer) -> np.ndarray:
-        """uint32 flags, one per worker (stride of one cache line)."""
+        """uint32 per worker, 1 when a pickled message follows its round."""
         words = np.ndarray(
             (self.num_workers, CACHE_LINE // 4), np.uint32, buffer=buffer,
             offset=self.worker_words_offset,
         )
         return words[:, 0]
 
+    def worker_busy_ns(self, buffer) -> np.ndarray:
+        """uint64 per worker: nanoseconds it spent serving commands (its own line)."""
+        words = np.ndarray(
+            (self.num_workers, CACHE_LINE // 8), np.uint64, buffer=buffer,
+            offset=self.worker_words_offset,
+        )
+        return words[:, 1]
+
+    def env_commands(self, buffer) -> np.ndarray:
+        """uint8 per env (async mode): what the env's worker must do next."""
+        return np.ndarray((self.num_envs,), np.uint8, buffer=buffer,
+                          offset=self.env_commands_offset)
+
     def action_views(self, buffer) -> list[np.ndarray]:
-        return self._views(buffer, self.action_offsets, self.action_columns)
+        return self._views(buffer, self.action_offsets, self.action_columns, self.num_envs)
 
     def slot_views(self, buffer, slot: int) -> SlotViews:
         """The arrays of one ring slot."""
-        views = self._views(buffer, self.slot_offsets[slot], self.slot_columns)
-        return SlotViews(views[:-5], *views[-5:])
+        views = self._views(buffer, self.slot_offsets[slot], self.slot_columns, self.rows)
+        return SlotViews(views[:-7], *views[-7:])
+
+
+class WordBytes(NamedTuple):
+    """Sizes of the C++ control structures (from shmvec._core)."""
+
+    barrier: int
+    ring: int
+    doorbell: int
 
 
 class SlotViews(NamedTuple):
-    """One ring slot: a full batch of results."""
+    """One ring slot: a batch of results, one row each."""
 
     obs: list[np.ndarray]  # the observation codec's columns
-    rewards: np.ndarray  # float64 (n,)
-    terminations: np.ndarray  # uint8 (n,)
-    truncations: np.ndarray  # uint8 (n,)
-    info_codes: np.ndarray  # uint8 (n, INFO_COLUMNS)
-    info_cells: np.ndarray  # uint64 (n, INFO_COLUMNS)
+    rewards: np.ndarray  # float64 (rows,)
+    terminations: np.ndarray  # uint8 (rows,)
+    truncations: np.ndarray  # uint8 (rows,)
+    info_codes: np.ndarray  # uint8 (rows, INFO_COLUMNS)
+    info_cells: np.ndarray  # uint64 (rows, INFO_COLUMNS)
+    env_ids: np.ndarray  # int32 (rows,): which env wrote the row (async mode)
+    messages: np.ndarray  # uint8 (rows,): 1 if a pickled message follows (async mode)

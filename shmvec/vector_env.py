@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import multiprocessing
+from collections import deque
 import os
 import pickle
 import threading
@@ -32,8 +33,9 @@ from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
 
 from shmvec import _core
 from shmvec import infos as infos_columns
+from shmvec.async_api import AsyncRollouts
 from shmvec.errors import WorkerDiedError, add_note
-from shmvec.layout import SegmentLayout, make_codec
+from shmvec.layout import make_codec
 from shmvec.spin import SpinPolicy, available_cpus, default_spin
 from shmvec.worker import (
     CALL,
@@ -43,7 +45,7 @@ from shmvec.worker import (
     STEP,
     SegmentFd,
     WorkerSpec,
-    _layout_args,
+    make_layout,
     worker_main,
 )
 
@@ -55,7 +57,7 @@ LIVENESS_CHECK_S = 0.1
 CLOSE_GRACE_S = 5.0
 
 
-class ShmVectorEnv(VectorEnv):
+class ShmVectorEnv(AsyncRollouts, VectorEnv):
     """Runs ``env_fns`` in worker processes; results come back through shared memory.
 
     The constructor takes ``gymnasium.vector.AsyncVectorEnv``'s arguments in the
@@ -87,6 +89,11 @@ class ShmVectorEnv(VectorEnv):
             shmvec honours it by running at most that many workers (each worker
             steps its envs one after another).
         num_workers: worker processes; default ``min(num_envs, cpus)``.
+        batch_size: with ``batch_size < num_envs``, the async engine: use
+            ``async_reset``/``send``/``recv`` (see shmvec/async_api.py).
+        group_size: envs ``g*k .. g*k+g-1`` form group ``k``: ``reset(seed=s)``
+            gives them all seed ``s + k`` and list seeds/options may have one
+            entry per group (GRPO-style grouped rollouts).
         ring_depth: result slots in the ring (>= 2).
         spin_ns: how long a waiter (main or worker) spins before it sleeps on
             its futex; default ``shmvec.spin.default_spin``.
@@ -105,6 +112,8 @@ class ShmVectorEnv(VectorEnv):
         max_concurrency: int | None = None,
         *,
         num_workers: int | None = None,
+        batch_size: int | None = None,
+        group_size: int = 1,
         ring_depth: int = 2,
         spin_ns: int | None = None,
     ) -> None:
@@ -149,16 +158,41 @@ class ShmVectorEnv(VectorEnv):
                 f"num_workers must be between 1 and num_envs={self.num_envs}, got {num_workers}"
             )
         self.num_workers = num_workers
+        self._env_blocks = _split_blocks(self.num_envs, self.num_workers)
+        self.batch_size = self.num_envs if batch_size is None else int(batch_size)
+        if not 1 <= self.batch_size <= self.num_envs:
+            raise ValueError(
+                f"batch_size must be between 1 and num_envs={self.num_envs}, got {batch_size}"
+            )
+        if group_size < 1 or self.num_envs % group_size:
+            raise ValueError(
+                f"group_size must divide num_envs={self.num_envs}, got {group_size}"
+            )
+        self.group_size = group_size
+        if self.is_async:
+            # See csrc/result_ring.h: enough slots that a claim never overruns.
+            ring_depth = max(ring_depth, -(-self.num_envs // self.batch_size) + 1)
         self.ring_depth = ring_depth
         self._spin = default_spin(num_workers) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
         self._obs_codec = make_codec(self.single_observation_space, shared_memory)
         self._action_codec = make_codec(self.single_action_space)
+        if self.is_async and self._action_codec.pickled:
+            raise ValueError(
+                f"batch_size < num_envs needs a fixed-size action space, not "
+                f"{self.single_action_space}"
+            )
+        self._liveness_check_s = LIVENESS_CHECK_S
+        self._stats_wait_s = 0.0
+        self._stats_steps = 0
+        self._stats_episodes = 0
+        self._stats_started = time.perf_counter()
         self._state = AsyncState.DEFAULT
         self._unfinished_round = False
         self._info_schemas: list[dict] = [{} for _ in range(self.num_workers)]
         self._slot = 0
         self._workers: list = []
         self._pipes: list = []
+        self._stashed: list[tuple[deque, deque]] = []
         self._segment = None
         self._start(env_fns)
         self.closed = False
@@ -190,8 +224,7 @@ class ShmVectorEnv(VectorEnv):
             )
 
     def _start(self, env_fns: list) -> None:
-        layout_spec = self._worker_spec(0, 0, [])
-        self._layout = SegmentLayout(*_layout_args(layout_spec))
+        self._layout = make_layout(self._worker_spec(0, 0, []))
         try:
             self._segment = _core.Segment.create(self._layout.total_bytes)
             buffer = memoryview(self._segment)
@@ -201,6 +234,8 @@ class ShmVectorEnv(VectorEnv):
             self._message_flags = self._layout.worker_words(buffer)
             self._action_views = self._layout.action_views(buffer)
             self._slots = [self._layout.slot_views(buffer, k) for k in range(self.ring_depth)]
+            if self.batch_size < self.num_envs:
+                self._init_async(buffer)
             self._spawn_workers(env_fns)
             self._await_ready()
         except BaseException:
@@ -216,8 +251,8 @@ class ShmVectorEnv(VectorEnv):
             env_fns=env_fns,
             num_envs=self.num_envs,
             num_workers=self.num_workers,
-            ring_depth=self.ring_depth,
-            barrier_bytes=_core.StepBarrier.nbytes,
+            num_slots=self.ring_depth,
+            batch_size=self.batch_size,
             observation_space=self.single_observation_space,
             action_space=self.single_action_space,
             observation_mode=mode,
@@ -231,7 +266,6 @@ class ShmVectorEnv(VectorEnv):
     def _spawn_workers(self, env_fns: list) -> None:
         ctx = multiprocessing.get_context(self.context)
         forked = ctx.get_start_method() == "fork"
-        self._env_blocks = _split_blocks(self.num_envs, self.num_workers)
         for index, rows in enumerate(self._env_blocks):
             block = env_fns[rows.start : rows.stop]
             payload = block if forked else _pickle_env_fns(block, rows)
@@ -247,6 +281,7 @@ class ShmVectorEnv(VectorEnv):
             child_end.close()
             self._workers.append(process)
             self._pipes.append(parent_end)
+            self._stashed.append((deque(), deque()))  # (replies, row messages)
 
     def _await_ready(self) -> None:
         for index in range(self.num_workers):
@@ -259,35 +294,43 @@ class ShmVectorEnv(VectorEnv):
     # ------------------------------------------------------------------ reset
 
     def reset_async(
-        self, seed: int | list[int | None] | None = None, options: dict[str, Any] | None = None
+        self,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
+        reset_mask: np.ndarray | None = None,
     ) -> None:
-        """Sends a reset to every env (or those in ``options["reset_mask"]``)."""
+        """Sends a reset to every env, or to those in the reset mask.
+
+        ``seed`` is an int (env ``i`` gets ``seed + i``, or ``seed + i // group_size``
+        with groups), a list with one seed per env (or per group), or None.
+        ``options`` is a dict for every env, or a list with one dict (or None) per
+        env (or per group). The mask is ``options["reset_mask"]`` as in gymnasium,
+        or, with a list of options, the ``reset_mask`` argument.
+        """
         self._assert_is_running()
-        if seed is None:
-            seeds = [None] * self.num_envs
-        elif isinstance(seed, int):
-            seeds = [seed + i for i in range(self.num_envs)]
-        else:
-            seeds = list(seed)
-            if len(seeds) != self.num_envs:
-                raise ValueError(
-                    "If seeds are passed as a list the length must match num_envs="
-                    f"{self.num_envs} but got length={len(seeds)}."
-                )
+        if self.is_async:
+            raise RuntimeError(
+                "with batch_size < num_envs, reset with async_reset() and read with recv()"
+            )
+        seeds = self._expand_seeds(seed)
         if self._state != AsyncState.DEFAULT:
             raise AlreadyPendingCallError(
                 "Calling `reset_async` while waiting for a pending call to "
                 f"`{self._state.value}` to complete",
                 str(self._state.value),
             )
-        mask = None
-        if options is not None and "reset_mask" in options:
-            mask = _check_reset_mask(options.pop("reset_mask"), self.num_envs)
+        if isinstance(options, dict) and "reset_mask" in options:
+            if reset_mask is not None:
+                raise ValueError("reset_mask given twice: in options and as an argument")
+            reset_mask = options.pop("reset_mask")
+        mask = None if reset_mask is None else _check_reset_mask(reset_mask, self.num_envs)
+        per_env = self._expand_options(options)
         self._finish_unfinished_round()
         slot = self._next_slot()
         for index, rows in enumerate(self._env_blocks):
-            block_mask = None if mask is None else mask[rows.start : rows.stop]
-            self._send(index, (seeds[rows.start : rows.stop], options, block_mask))
+            block = slice(rows.start, rows.stop)
+            block_mask = None if mask is None else mask[block]
+            self._send(index, "reset", (seeds[block], per_env[block], block_mask))
         self._reset_mask = mask
         self._barrier.post(RESET, slot)
         self._state = AsyncState.WAITING_RESET
@@ -312,17 +355,70 @@ class ShmVectorEnv(VectorEnv):
         self,
         *,
         seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | None = None,
+        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
+        reset_mask: np.ndarray | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """Resets the envs; see ``gymnasium.vector.VectorEnv.reset``."""
-        self.reset_async(seed=seed, options=options)
+        """Resets the envs; see ``gymnasium.vector.VectorEnv.reset`` and ``reset_async``.
+
+        In async mode (``batch_size < num_envs``) this is ``async_reset`` then
+        ``recv``: it returns the first ``batch_size`` envs to finish resetting.
+        """
+        if self.is_async:
+            if reset_mask is not None:
+                raise ValueError("reset_mask needs batch_size == num_envs")
+            self.async_reset(seed=seed, options=options)
+            obs, _, _, _, infos = self.recv()
+            return obs, infos
+        self.reset_async(seed=seed, options=options, reset_mask=reset_mask)
         return self.reset_wait()
+
+    def _expand_seeds(self, seed) -> list:
+        """One seed per env; envs of a group share theirs."""
+        n, g = self.num_envs, self.group_size
+        if seed is None:
+            return [None] * n
+        if isinstance(seed, int):
+            return [seed + i // g for i in range(n)]
+        seeds = list(seed)
+        if g > 1 and len(seeds) == n // g:
+            return [seeds[i // g] for i in range(n)]
+        if len(seeds) != n:
+            groups = f" (or num_envs / group_size = {n // g})" if g > 1 else ""
+            raise ValueError(
+                f"If seeds are passed as a list the length must match num_envs={n}{groups} "
+                f"but got length={len(seeds)}."
+            )
+        return seeds
+
+    def _expand_options(self, options) -> list:
+        """One options dict (or None) per env; envs of a group share theirs."""
+        n, g = self.num_envs, self.group_size
+        if options is None or isinstance(options, dict):
+            return [options] * n
+        if not isinstance(options, (list, tuple)):
+            raise TypeError(f"options must be a dict, a list of dicts or None, got {options!r}")
+        if g > 1 and len(options) == n // g:
+            return [options[i // g] for i in range(n)]
+        if len(options) != n:
+            groups = f" (or num_envs / group_size = {n // g})" if g > 1 else ""
+            raise ValueError(
+                f"options as a list needs one entry per env: expected {n}{groups}, "
+                f"got {len(options)}"
+            )
+        for i, entry in enumerate(options):
+            if entry is not None and not isinstance(entry, dict):
+                raise TypeError(f"options[{i}] must be a dict or None, got {entry!r}")
+        return list(options)
 
     # ------------------------------------------------------------------- step
 
     def step_async(self, actions: ArrayType) -> None:
         """Writes ``actions`` into the action slab and starts a step."""
         self._assert_is_running()
+        if self.is_async:
+            raise RuntimeError(
+                "with batch_size < num_envs, step with send(actions, env_ids) and recv()"
+            )
         if self._state != AsyncState.DEFAULT:
             raise AlreadyPendingCallError(
                 "Calling `step_async` while waiting for a pending call to "
@@ -334,7 +430,7 @@ class ShmVectorEnv(VectorEnv):
             per_env = [None] * self.num_envs
             self._action_codec.write_batch(per_env, actions)
             for index, rows in enumerate(self._env_blocks):
-                self._send(index, per_env[rows.start : rows.stop])
+                self._send(index, "actions", per_env[rows.start : rows.stop])
         else:
             self._action_codec.write_batch(self._action_views, actions)
         self._barrier.post(STEP, self._next_slot())
@@ -354,6 +450,7 @@ class ShmVectorEnv(VectorEnv):
         infos = self._merge_infos(messages)
         slot = self._slots[self._slot]
         rewards, terminations, truncations = slot.rewards, slot.terminations, slot.truncations
+        self._count(terminations, truncations)
         obs = self._read_obs(messages)
         if self.copy:
             rewards = rewards.copy()
@@ -380,7 +477,7 @@ class ShmVectorEnv(VectorEnv):
         self._finish_unfinished_round()
         payload = (name, args, kwargs)
         for index in range(self.num_workers):
-            self._send(index, payload)
+            self._send(index, "call", payload)
         self._barrier.post(CALL)
         self._state = AsyncState.WAITING_CALL
 
@@ -422,7 +519,7 @@ class ShmVectorEnv(VectorEnv):
             )
         self._finish_unfinished_round()
         for index, rows in enumerate(self._env_blocks):
-            self._send(index, (name, list(values[rows.start : rows.stop])))
+            self._send(index, "set_attr", (name, list(values[rows.start : rows.stop])))
         self._barrier.post(SET_ATTR)
         self._state = AsyncState.WAITING_CALL
         self._finish_round(None, "set_attr")
@@ -485,11 +582,28 @@ class ShmVectorEnv(VectorEnv):
         self._slot = (self._slot + 1) % self.ring_depth
         return self._slot
 
-    def _send(self, index: int, payload: Any) -> None:
-        self._pipes[index].send_bytes(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
+    def _send(self, index: int, tag: str, payload: Any) -> None:
+        """Sends worker ``index`` a payload it reads with ``Worker._recv(tag)``."""
+        message = (tag, payload)
+        self._pipes[index].send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _recv(self, index: int, timeout: float | None) -> dict:
-        """The next message of worker ``index``, noticing its death."""
+    def _recv(self, index: int, timeout: float | None, row: bool = False) -> dict:
+        """The next message of worker ``index``, noticing its death.
+
+        Async mode interleaves two streams on a pipe: per-row messages (with a
+        ``"row"`` key) and replies to barrier commands. Each caller asks for
+        one; messages of the other are kept for their turn.
+        """
+        stash = self._stashed[index][row]
+        if stash:
+            return stash.popleft()
+        while True:
+            message = self._recv_any(index, timeout)
+            if ("row" in message) == row:
+                return message
+            self._stashed[index][not row].append(message)
+
+    def _recv_any(self, index: int, timeout: float | None) -> dict:
         pipe = self._pipes[index]
         deadline = None if timeout is None else time.monotonic() + timeout
         while not pipe.poll(LIVENESS_CHECK_S):
@@ -508,8 +622,41 @@ class ShmVectorEnv(VectorEnv):
         if process.exitcode is not None:
             raise WorkerDiedError(index, self._env_blocks[index], process.exitcode, process.pid)
 
+    def _remote_error(self, errors: list) -> BaseException:
+        return _remote_error(errors, self._env_blocks)
+
+    def _count(self, terminations: np.ndarray, truncations: np.ndarray) -> None:
+        self._stats_steps += len(terminations)
+        self._stats_episodes += int(np.count_nonzero(terminations | truncations))
+
+    def stats(self) -> dict[str, Any]:
+        """Throughput and where the time goes, since construction.
+
+        Returns a dict: ``steps`` (env steps returned), ``steps_per_s``,
+        ``episodes`` (episodes ended), ``main_wait_fraction`` (time the main
+        process spent waiting for results), ``worker_busy_fraction`` (per
+        worker: time spent in env code and writing results).
+        """
+        elapsed = time.perf_counter() - self._stats_started
+        busy_ns = self._layout.worker_busy_ns(memoryview(self._segment))
+        return {
+            "steps": self._stats_steps,
+            "steps_per_s": self._stats_steps / elapsed if elapsed > 0 else 0.0,
+            "episodes": self._stats_episodes,
+            "main_wait_fraction": self._stats_wait_s / elapsed if elapsed > 0 else 0.0,
+            "worker_busy_fraction": (busy_ns / 1e9 / elapsed).tolist() if elapsed > 0 else [],
+            "elapsed_s": elapsed,
+        }
+
     def _wait_done(self, timeout: float | None, name: str) -> None:
         """Waits for every worker to arrive; raises on timeout or a worker's death."""
+        waited = time.perf_counter()
+        try:
+            self._wait_done_until(timeout, name)
+        finally:
+            self._stats_wait_s += time.perf_counter() - waited
+
+    def _wait_done_until(self, timeout: float | None, name: str) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             budget = LIVENESS_CHECK_S
@@ -539,7 +686,7 @@ class ShmVectorEnv(VectorEnv):
         messages = self._collect_messages()
         errors = [e for m in messages.values() for e in m.get("errors", ())]
         if errors:
-            raise _remote_error(errors, self._env_blocks)
+            raise self._remote_error(errors)
         return messages
 
     def _collect_messages(self) -> dict[int, dict]:
@@ -565,16 +712,17 @@ class ShmVectorEnv(VectorEnv):
             self._info_schemas[index].update(message.get("info_columns", ()))
         pickled = [item for m in messages.values() for item in m.get("infos", ())]
         gathered = {}
-        if self._info_schemas_used():
+        if any(self._info_schemas):
             slot = self._slots[self._slot]
+            groups = [slice(rows.start, rows.stop) for rows in self._env_blocks]
             gathered = infos_columns.gather(
-                self._info_schemas, self._env_blocks, slot.info_codes, slot.info_cells
+                self._info_schemas, groups, slot.info_codes, slot.info_cells, self.num_envs
             )
         if not pickled:
             return infos_columns.merge_columns({}, gathered, self.num_envs)
         if gathered:
             pickled = sorted(
-                pickled + infos_columns.column_dicts(gathered, self.num_envs),
+                pickled + infos_columns.column_dicts(gathered),
                 key=lambda item: item[0],
             )
         infos: dict[str, Any] = {}
@@ -582,9 +730,6 @@ class ShmVectorEnv(VectorEnv):
             for info in dicts:
                 infos = self._add_info(infos, info, row)
         return infos
-
-    def _info_schemas_used(self) -> bool:
-        return any(self._info_schemas)
 
     def _read_obs(self, messages: dict[int, dict]) -> Any:
         if self._obs_codec.pickled:

@@ -15,6 +15,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ import numpy as np
 
 from shmvec import _core, _worker_loop
 from shmvec.errors import add_note
-from shmvec.layout import SegmentLayout, make_codec
+from shmvec.layout import SegmentLayout, WordBytes, make_codec
 
 # Command kinds posted on the barrier.
 STEP = 1
@@ -46,8 +47,8 @@ class WorkerSpec:
     env_fns: Any  # list of callables, or their cloudpickle bytes
     num_envs: int
     num_workers: int
-    ring_depth: int
-    barrier_bytes: int
+    num_slots: int  # ring slots
+    batch_size: int  # rows per ring slot: num_envs in sync mode
     observation_space: Any
     action_space: Any
     observation_mode: str
@@ -152,7 +153,11 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
         return
     pipe.send_bytes(pickle.dumps({"ready": os.getpid()}))
     try:
-        Worker(spec, segment, pipe, envs).serve()
+        worker = Worker(spec, segment, pipe, envs)
+        if spec.batch_size < spec.num_envs:
+            worker.serve_async()
+        else:
+            worker.serve()
     finally:
         del envs
         pipe.close()
@@ -185,20 +190,18 @@ class Worker:
         self.segment = segment
         self.pipe = pipe
         self.envs = envs
-        from shmvec._core import StepBarrier
-
-        layout_args = _layout_args(spec)
-        self.layout = SegmentLayout(*layout_args)
+        self.layout = make_layout(spec)
         self.barrier = _worker_loop.WorkerBarrier(
             segment.address + self.layout.barrier_offset, spec.num_workers
         )
-        assert StepBarrier.nbytes == spec.barrier_bytes
         buffer = memoryview(segment)
         self.flag = self.layout.worker_words(buffer)[spec.index : spec.index + 1]
+        self.busy_ns = self.layout.worker_busy_ns(buffer)[spec.index : spec.index + 1]
         self.obs_codec = make_codec(spec.observation_space, spec.shared_memory)
         self.action_codec = make_codec(spec.action_space)
+        self.stepper = _worker_loop.Stepper(self.action_codec, self.obs_codec, spec.autoreset_mode)
         self.action_views = self.layout.action_views(buffer)
-        self.slots = [self.layout.slot_views(buffer, k) for k in range(spec.ring_depth)]
+        self.slots = [self.layout.slot_views(buffer, k) for k in range(self.layout.num_slots)]
         self.info_schema: dict = {}  # info key -> column, shared by all slots
         self.info_columns = [
             _worker_loop.InfoColumns(self.info_schema, s.info_codes, s.info_cells)
@@ -206,39 +209,90 @@ class Worker:
         ]
         self.autoreset = np.zeros(len(envs), dtype=np.uint8)
         self.rows = range(spec.first_env, spec.first_env + len(envs))
+        self.inbox: dict[str, list] = {}  # main's messages read ahead of their turn
+        self.generation = 0
+        if spec.batch_size < spec.num_envs:
+            self.doorbell = _worker_loop.WorkerDoorbell(
+                segment.address + self.layout.doorbell_offsets[spec.index]
+            )
+            self.ring = _worker_loop.WorkerRing(
+                segment.address + self.layout.ring_offset, self.layout.num_slots, spec.batch_size
+            )
+            self.commands = self.layout.env_commands(buffer)[self.rows.start : self.rows.stop]
+            self.reset_args: dict = {}
 
     def serve(self) -> None:
-        generation = 0
-        spin_ns = self.spec.spin_ns
+        """Sync mode: one barrier round per command."""
         while True:
-            command = self.barrier.wait_command(generation, spin_ns, WATCHDOG_NS)
+            command = self.barrier.wait_command(self.generation, self.spec.spin_ns, WATCHDOG_NS)
             if command is None:
-                if not _main_alive(self.spec.main_pid):
-                    os._exit(0)
+                self._check_main()
                 continue
-            generation, kind, arg = command
-            if kind == STEP:
-                message = self.step(arg)
-            elif kind == RESET:
-                message = self.reset(arg, self._recv())
-            elif kind == CALL:
-                message = self.call(*self._recv())
-            elif kind == SET_ATTR:
-                message = self.set_attr(*self._recv())
-            elif kind == CLOSE:
-                self.close()
-                self.barrier.arrive()
+            started = time.perf_counter_ns()
+            if not self._run_command(command):
                 return
-            else:
-                message = {"errors": [(-1, RuntimeError(f"unknown command {kind}"), "")]}
-            if message:
-                self.flag[0] = 1
-            self.barrier.arrive()
-            if message:
-                _send(self.pipe, message)
+            self.busy_ns[0] += time.perf_counter_ns() - started
 
-    def _recv(self):
-        return pickle.loads(self.pipe.recv_bytes())
+    def serve_async(self) -> None:
+        """Async mode: run envs as their commands arrive; barrier commands too."""
+        rings = 0
+        while True:
+            seen = self.doorbell.wait(rings, self.spec.spin_ns, WATCHDOG_NS)
+            if seen is None:
+                self._check_main()
+                continue
+            rings = seen
+            started = time.perf_counter_ns()
+            generation = self.barrier.generation_now()
+            if generation != self.generation:
+                if not self._run_command(self.barrier.wait_command(self.generation, 0, 0)):
+                    return
+            if (self.commands == _worker_loop.ENV_RESET).any() and not self.reset_args:
+                self.reset_args.update(self._recv("reset"))
+            _worker_loop.step_pending(
+                self.stepper, self.ring, self.envs, self.rows.start, self.commands,
+                self.reset_args, self.action_views, self.slots, self.info_columns,
+                self.autoreset, lambda message: _send(self.pipe, message),
+            )
+            self.busy_ns[0] += time.perf_counter_ns() - started
+
+    def _check_main(self) -> None:
+        if not _main_alive(self.spec.main_pid):
+            os._exit(0)
+
+    def _run_command(self, command: tuple) -> bool:
+        """Runs one barrier command; False once the worker must exit."""
+        self.generation, kind, arg = command
+        if kind == STEP:
+            message = self.step(arg)
+        elif kind == RESET:
+            message = self.reset(arg, self._recv("reset"))
+        elif kind == CALL:
+            message = self.call(*self._recv("call"))
+        elif kind == SET_ATTR:
+            message = self.set_attr(*self._recv("set_attr"))
+        elif kind == CLOSE:
+            self.close()
+            self.barrier.arrive()
+            return False
+        else:
+            message = {"errors": [(-1, RuntimeError(f"unknown command {kind}"), "")]}
+        if message:
+            self.flag[0] = 1
+        self.barrier.arrive()
+        if message:
+            _send(self.pipe, message)
+        return True
+
+    def _recv(self, tag: str):
+        """The next payload the main process sent with ``tag``."""
+        if self.inbox.get(tag):
+            return self.inbox[tag].pop(0)
+        while True:
+            got, payload = pickle.loads(self.pipe.recv_bytes())
+            if got == tag:
+                return payload
+            self.inbox.setdefault(got, []).append(payload)
 
     def _obs_target(self, slot: int):
         """Where observations of this round go: columns, or a dict to pickle."""
@@ -248,13 +302,13 @@ class Worker:
         action_views = self.action_views
         if self.action_codec.pickled:
             action_views = [None] * self.spec.num_envs
-            action_views[self.rows.start : self.rows.stop] = self._recv()
+            action_views[self.rows.start : self.rows.stop] = self._recv("actions")
         views = self.slots[slot]
         obs_target = self._obs_target(slot)
         infos, errors, announced = _worker_loop.step_envs(
-            self.envs, self.spec.first_env, self.action_codec, action_views,
-            self.obs_codec, obs_target, views.rewards, views.terminations, views.truncations,
-            self.autoreset, self.info_columns[slot], self.spec.autoreset_mode,
+            self.stepper, self.envs, self.spec.first_env, action_views, obs_target,
+            views.rewards, views.terminations, views.truncations, self.autoreset,
+            self.info_columns[slot],
         )
         return self._message(infos, errors, obs_target, announced)
 
@@ -271,7 +325,7 @@ class Worker:
         return message
 
     def reset(self, slot: int, payload) -> dict:
-        seeds, options, mask = payload
+        seeds, options, mask = payload  # per env of the block
         obs_target = self._obs_target(slot)
         # Reset infos are pickled (resets are rare): clear this block's columns.
         self.slots[slot].info_codes[self.rows.start : self.rows.stop] = 0
@@ -280,7 +334,7 @@ class Worker:
             if mask is not None and not mask[i]:
                 continue
             try:
-                obs, info = env.reset(seed=seeds[i], options=options)
+                obs, info = env.reset(seed=seeds[i], options=options[i])
                 self.obs_codec.write(obs_target, row, obs)
                 self.autoreset[i] = 0
                 if info:
@@ -317,15 +371,21 @@ class Worker:
                 traceback.print_exc(file=sys.stderr)
 
 
-def _layout_args(spec: WorkerSpec) -> tuple:
-    """SegmentLayout's arguments, derived the same way in main and workers."""
+def make_layout(spec: WorkerSpec) -> SegmentLayout:
+    """The segment's layout, derived the same way in main and workers."""
     obs_codec = make_codec(spec.observation_space, spec.shared_memory)
     action_codec = make_codec(spec.action_space)
-    return (
+    rows = spec.batch_size
+    return SegmentLayout(
         spec.num_envs,
         spec.num_workers,
-        spec.barrier_bytes,
         action_codec.columns(),
         obs_codec.columns(),
-        spec.ring_depth,
+        spec.num_slots,
+        rows,
+        WordBytes(
+            _core.StepBarrier.nbytes,
+            _core.ResultRing.nbytes(spec.num_slots),
+            _core.Doorbell.nbytes,
+        ),
     )

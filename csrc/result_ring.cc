@@ -1,0 +1,54 @@
+#include "result_ring.h"
+
+#include <climits>
+
+namespace shmvec {
+
+RowRef ResultRing::claim() noexcept {
+  uint64_t n = header_->claimed.fetch_add(1, std::memory_order_relaxed);
+  return RowRef{uint32_t((n / batch_size_) % num_slots_), uint32_t(n % batch_size_)};
+}
+
+void ResultRing::publish(uint32_t slot) noexcept {
+  // seq_cst: releases the row's results, and orders the add before the read
+  // of main_sleeping (see spin_then_sleep).
+  uint32_t now = filled_[slot].value.fetch_add(1, std::memory_order_seq_cst) + 1;
+  if (now == batch_size_ &&
+      header_->main_sleeping.value.load(std::memory_order_seq_cst) != 0) {
+    futex_wake(&filled_[slot].value, 1);
+  }
+}
+
+WaitStatus ResultRing::wait_full(uint32_t slot, int64_t spin_ns,
+                                 int64_t timeout_ns) noexcept {
+  const uint32_t target = batch_size_;
+  return spin_then_sleep(
+      filled_[slot].value, header_->main_sleeping.value,
+      [target](uint32_t filled) { return filled >= target; }, spin_ns, timeout_ns);
+}
+
+uint32_t ResultRing::filled(uint32_t slot) const noexcept {
+  return filled_[slot].value.load(std::memory_order_acquire);
+}
+
+void ResultRing::release(uint32_t slot) noexcept {
+  filled_[slot].value.store(0, std::memory_order_release);
+}
+
+void Doorbell::ring() noexcept {
+  w_->rings.value.fetch_add(1, std::memory_order_seq_cst);
+  if (w_->sleepers.value.load(std::memory_order_seq_cst) != 0) {
+    futex_wake(&w_->rings.value, 1);
+  }
+}
+
+WaitStatus Doorbell::wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
+                          uint32_t* out) noexcept {
+  WaitStatus status = spin_then_sleep(
+      w_->rings.value, w_->sleepers.value,
+      [last](uint32_t rings) { return rings != last; }, spin_ns, timeout_ns);
+  *out = w_->rings.value.load(std::memory_order_acquire);
+  return status;
+}
+
+}  // namespace shmvec

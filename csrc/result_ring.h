@@ -1,0 +1,97 @@
+// The async engine's two primitives: a result ring that workers fill in
+// arrival order, and a doorbell per worker.
+//
+// Data flow (batch_size < num_envs):
+//   main:    writes actions of some envs, bumps their sequence words, and
+//            rings the doorbell of each worker that owns one of them
+//   worker:  wait() on its doorbell; steps each env with a new action; for
+//            each, claim() the next row of the ring, writes the results and
+//            the env id there, and publish()es the row; the publish that
+//            fills a slot wakes the main process
+//   main:    wait_full(slot) returns once the slot's batch_size rows are
+//            published; reads them; release(slot) hands the slot back
+//
+// Why the ring never overruns: main sends an env its next action only after
+// it received the env's previous result, so at most num_envs rows are claimed
+// and not yet consumed, plus the batch_size rows of the slot main holds (it
+// releases a slot only when it asks for the next one). With
+// num_slots * batch_size >= num_envs + batch_size a claim can never reach a
+// slot that main has not released.
+//
+// Who may call what: claim/publish any worker, concurrently; wait_full,
+// release and filled the main process; ring the main process; wait the
+// doorbell's worker.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "barrier.h"
+
+namespace shmvec {
+
+struct alignas(64) RingHeader {
+  std::atomic<uint64_t> claimed;  // rows claimed so far (never wraps in practice)
+  char pad0[64 - sizeof(std::atomic<uint64_t>)];
+  PaddedWord main_sleeping;       // main inside futex_wait on some `filled`
+};
+
+struct RowRef {
+  uint32_t slot;
+  uint32_t row;
+};
+
+class ResultRing {
+ public:
+  // `words`: a RingHeader followed by num_slots PaddedWords (bytes()).
+  ResultRing(void* words, uint32_t num_slots, uint32_t batch_size) noexcept
+      : header_(static_cast<RingHeader*>(words)),
+        filled_(reinterpret_cast<PaddedWord*>(static_cast<RingHeader*>(words) + 1)),
+        num_slots_(num_slots),
+        batch_size_(batch_size) {}
+
+  static size_t bytes(uint32_t num_slots) {
+    return sizeof(RingHeader) + size_t(num_slots) * sizeof(PaddedWord);
+  }
+
+  // [worker] The next free row, in arrival order.
+  RowRef claim() noexcept;
+  // [worker] Makes a claimed row's results visible; the last row of a slot
+  // wakes the main process.
+  void publish(uint32_t slot) noexcept;
+  // [main] Waits until `slot` holds batch_size published rows.
+  WaitStatus wait_full(uint32_t slot, int64_t spin_ns, int64_t timeout_ns) noexcept;
+  // [main] Rows of `slot` published so far.
+  uint32_t filled(uint32_t slot) const noexcept;
+  // [main] Hands a consumed slot back to the workers.
+  void release(uint32_t slot) noexcept;
+
+ private:
+  RingHeader* header_;
+  PaddedWord* filled_;
+  uint32_t num_slots_;
+  uint32_t batch_size_;
+};
+
+// A counter that one worker sleeps on and the main process rings.
+struct alignas(64) DoorbellWords {
+  PaddedWord rings;
+  PaddedWord sleepers;
+};
+
+class Doorbell {
+ public:
+  explicit Doorbell(DoorbellWords* words) noexcept : w_(words) {}
+  // [main] Wakes the worker (a syscall only if it sleeps).
+  void ring() noexcept;
+  // [worker] Waits for a ring count other than `last`; returns the count
+  // seen in *out.
+  WaitStatus wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
+                  uint32_t* out) noexcept;
+
+ private:
+  DoorbellWords* w_;
+};
+
+}  // namespace shmvec

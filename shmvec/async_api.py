@@ -1,0 +1,288 @@
+"""EnvPool-style asynchronous rollouts: ``async_reset``, ``send``, ``recv``.
+
+With ``ShmVectorEnv(..., batch_size=k)`` and ``k < num_envs`` there is no
+barrier between envs: ``send(actions, env_ids)`` hands actions to some envs
+and returns at once; each worker steps an env as soon as its action arrives
+and writes the result into the next free row of the result ring (rows are
+claimed in arrival order, see csrc/result_ring.h); ``recv()`` returns the
+first ``k`` results to arrive, with ``infos["env_id"]`` saying whose they are.
+Each env's trajectory is exactly the one it would have alone with the same
+seed and actions; only the order in which envs come back varies.
+
+Example:
+    >>> import gymnasium as gym
+    >>> import numpy as np
+    >>> import shmvec
+    >>> envs = shmvec.ShmVectorEnv(
+    ...     [lambda: gym.make("CartPole-v1")] * 8, num_workers=2, batch_size=4
+    ... )
+    >>> envs.async_reset(seed=0)
+    >>> for _ in range(10):
+    ...     obs, rewards, terminations, truncations, infos = envs.recv()
+    ...     envs.send(np.zeros(4, dtype=np.int64), infos["env_id"])
+    >>> obs.shape
+    (4, 4)
+    >>> envs.close()
+
+With ``batch_size == num_envs`` (the default), ``send``/``recv`` are
+``step_async``/``step_wait`` with env ids, so code written for the async API
+also runs in sync mode.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from typing import Any
+
+import numpy as np
+from gymnasium.vector.vector_env import VectorEnv
+
+from shmvec import _core, _worker_loop
+from shmvec import infos as info_columns
+
+
+class _BatchInfos:
+    """``VectorEnv._add_info`` over a batch of ``num_envs`` rows."""
+
+    _add_info = VectorEnv._add_info
+
+    def __init__(self, rows: int) -> None:
+        self.num_envs = rows
+
+
+class AsyncRollouts:
+    """The async half of ShmVectorEnv (a mixin: it uses ShmVectorEnv's state)."""
+
+    # ------------------------------------------------------------------ setup
+
+    def _init_async(self, buffer) -> None:
+        layout = self._layout
+        self._ring = _core.ResultRing(
+            self._segment, layout.ring_offset, layout.num_slots, self.batch_size
+        )
+        self._doorbells = [_core.Doorbell(self._segment, off) for off in layout.doorbell_offsets]
+        self._env_commands = layout.env_commands(buffer)
+        self._env_worker = np.empty(self.num_envs, dtype=np.int64)
+        for index, rows in enumerate(self._env_blocks):
+            self._env_worker[rows.start : rows.stop] = index
+        # Envs whose last result the user has (or that were never reset).
+        self._awaiting = np.ones(self.num_envs, dtype=bool)
+        self._was_reset = False
+        self._recv_slot = 0
+        self._held_slot: int | None = None
+        self._last_env_ids: np.ndarray | None = None
+
+    @property
+    def is_async(self) -> bool:
+        """True when ``batch_size < num_envs``."""
+        return self.batch_size < self.num_envs
+
+    # ------------------------------------------------------------------ reset
+
+    def async_reset(
+        self,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
+    ) -> None:
+        """Resets every env without waiting; ``recv()`` returns the results.
+
+        ``seed`` and ``options`` are expanded as in ``reset`` (groups included).
+        All envs must be idle: ``recv()`` the results still in flight first.
+        """
+        self._assert_is_running()
+        if not self.is_async:
+            self.reset_async(seed=seed, options=options)
+            self._sync_reset_pending = True
+            return
+        busy = np.flatnonzero(~self._awaiting)
+        if busy.size:
+            raise RuntimeError(
+                f"async_reset() while envs {busy.tolist()} are still running: recv() their "
+                "results first"
+            )
+        seeds = self._expand_seeds(seed)
+        per_env = self._expand_options(options)
+        for index, rows in enumerate(self._env_blocks):
+            self._send(index, "reset", {e: (seeds[e], per_env[e]) for e in rows})
+        self._start_envs(np.arange(self.num_envs), _worker_loop.ENV_RESET)
+        self._was_reset = True
+
+    # ------------------------------------------------------------------- send
+
+    def send(self, actions: Any, env_ids: Any = None) -> None:
+        """Hands ``actions[i]`` to env ``env_ids[i]`` and returns at once.
+
+        ``env_ids`` defaults to the envs of the last ``recv()``. Each env must be
+        awaiting an action (its last result was received). In sync mode
+        ``env_ids`` must name every env (in any order).
+        """
+        self._assert_is_running()
+        if not self.is_async:
+            self._send_sync(actions, env_ids)
+            return
+        if not self._was_reset:
+            raise RuntimeError("send() before async_reset(): reset the envs first")
+        if env_ids is None:
+            if self._last_env_ids is None:
+                raise ValueError("send() needs env_ids: no recv() has returned any yet")
+            env_ids = self._last_env_ids
+        env_ids = self._check_env_ids(env_ids)
+        self._action_codec.write_rows(self._action_views, env_ids, actions)
+        self._start_envs(env_ids, _worker_loop.ENV_STEP)
+
+    def _check_env_ids(self, env_ids: Any) -> np.ndarray:
+        ids = np.asarray(env_ids)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise TypeError(f"env_ids must be a 1-D array of ints, got {env_ids!r}")
+        ids = ids.astype(np.int64)
+        bad = ids[(ids < 0) | (ids >= self.num_envs)]
+        if bad.size:
+            raise ValueError(f"env_ids {bad.tolist()} out of range [0, {self.num_envs})")
+        unique, counts = np.unique(ids, return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(f"env_ids {unique[counts > 1].tolist()} appear more than once")
+        running = ids[~self._awaiting[ids]]
+        if running.size:
+            raise ValueError(
+                f"envs {running.tolist()} are not awaiting an action: their previous "
+                "step is still running (recv() its result first)"
+            )
+        return ids
+
+    def _start_envs(self, env_ids: np.ndarray, command: int) -> None:
+        self._env_commands[env_ids] = command
+        self._awaiting[env_ids] = False
+        for index in np.unique(self._env_worker[env_ids]).tolist():
+            self._doorbells[index].ring()
+
+    def _send_sync(self, actions: Any, env_ids: Any) -> None:
+        if env_ids is not None:
+            ids = np.asarray(env_ids)
+            if sorted(ids.tolist()) != list(range(self.num_envs)):
+                raise ValueError(
+                    "with batch_size == num_envs, send() steps every env: env_ids must name "
+                    f"each of the {self.num_envs} envs once, got {ids.tolist()}"
+                )
+            if not np.array_equal(ids, np.arange(self.num_envs)):
+                ordered = np.empty_like(np.asarray(actions))
+                ordered[ids] = actions
+                actions = ordered
+        self.step_async(actions)
+
+    # ------------------------------------------------------------------- recv
+
+    def recv(self, timeout: float | None = None):
+        """The next ``batch_size`` results: ``(obs, rewards, terminations,
+        truncations, infos)`` with ``infos["env_id"]``, the env of each row.
+
+        With ``copy=False`` the arrays are views of the ring, valid until the
+        next ``recv()``.
+        """
+        self._assert_is_running()
+        if not self.is_async:
+            return self._recv_sync(timeout)
+        in_flight = int(np.count_nonzero(~self._awaiting))
+        if in_flight < self.batch_size:
+            raise RuntimeError(
+                f"recv() waits for batch_size={self.batch_size} results but only {in_flight} "
+                "envs are running: send() actions first"
+            )
+        if self._held_slot is not None:
+            self._ring.release(self._held_slot)
+            self._held_slot = None
+        slot = self._recv_slot
+        self._wait_slot(slot, timeout)
+        views = self._slots[slot]
+        env_ids = views.env_ids.astype(np.int64)
+        messages = self._row_messages(slot, views, env_ids)
+        self._awaiting[env_ids] = True
+        self._last_env_ids = env_ids
+        self._held_slot = slot
+        self._recv_slot = (slot + 1) % self._layout.num_slots
+        self._count(views.terminations, views.truncations)
+        errors = [e for m in messages.values() for e in m.get("errors", ())]
+        if errors:
+            raise self._remote_error(errors)
+        obs = self._read_rows_obs(views, messages)
+        infos = self._merge_row_infos(views, env_ids, messages)
+        infos["env_id"] = env_ids
+        rewards, terminations, truncations = views.rewards, views.terminations, views.truncations
+        if self.copy:
+            rewards, terminations, truncations = (
+                rewards.copy(), terminations.copy(), truncations.copy()
+            )
+        return obs, rewards, terminations.view(np.bool_), truncations.view(np.bool_), infos
+
+    def _recv_sync(self, timeout: float | None):
+        if getattr(self, "_sync_reset_pending", False):
+            self._sync_reset_pending = False
+            obs, infos = self.reset_wait(timeout)
+            zeros = np.zeros(self.num_envs, dtype=bool)
+            result = obs, np.zeros(self.num_envs), zeros, zeros.copy(), infos
+        else:
+            result = self.step_wait(timeout)
+        result[4]["env_id"] = np.arange(self.num_envs)
+        return result
+
+    def _wait_slot(self, slot: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waited = time.perf_counter()
+        try:
+            while True:
+                budget = self._liveness_check_s
+                if deadline is not None:
+                    budget = min(budget, max(deadline - time.monotonic(), 0.0))
+                if self._ring.wait_full(slot, self._spin.main_ns, int(budget * 1e9)):
+                    return
+                for index in range(self.num_workers):
+                    self._check_alive(index)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise multiprocessing.TimeoutError(
+                        f"The call to `recv` has timed out after {timeout} second(s): "
+                        f"{self._ring.filled(slot)} of {self.batch_size} results arrived."
+                    )
+        finally:
+            self._stats_wait_s += time.perf_counter() - waited
+
+    def _row_messages(self, slot: int, views, env_ids: np.ndarray) -> dict[int, dict]:
+        """The pickled messages of the rows that have one, by row."""
+        messages = {}
+        for row in np.flatnonzero(views.messages).tolist():
+            index = int(self._env_worker[env_ids[row]])
+            message = self._recv(index, timeout=None, row=True)
+            if message["row"] != (slot, row):
+                raise RuntimeError(
+                    f"shmvec internal error: worker {index} sent the message of row "
+                    f"{message['row']} where ({slot}, {row}) was expected"
+                )
+            self._info_schemas[index].update(message.get("info_columns", ()))
+            messages[row] = message
+        return messages
+
+    def _read_rows_obs(self, views, messages: dict[int, dict]) -> Any:
+        if self._obs_codec.pickled:
+            values = [None] * self.batch_size
+            for row, message in messages.items():
+                values[row] = next(iter(message["obs"].values()))
+            return self._obs_codec.read_batch(values, self.copy)
+        return self._obs_codec.read_batch(views.obs, self.copy)
+
+    def _merge_row_infos(self, views, env_ids: np.ndarray, messages: dict[int, dict]) -> dict:
+        batch = _BatchInfos(self.batch_size)
+        gathered = {}
+        if any(self._info_schemas):
+            workers = self._env_worker[env_ids]
+            groups = [np.flatnonzero(workers == index) for index in range(self.num_workers)]
+            gathered = info_columns.gather(
+                self._info_schemas, groups, views.info_codes, views.info_cells, self.batch_size
+            )
+        pickled = [item for m in messages.values() for item in m.get("infos", ())]
+        if not pickled:
+            return info_columns.merge_columns({}, gathered, self.batch_size)
+        items = sorted(pickled + info_columns.column_dicts(gathered), key=lambda item: item[0])
+        infos: dict[str, Any] = {}
+        for row, dicts in items:
+            for info in dicts:
+                infos = batch._add_info(infos, info, row)
+        return infos
