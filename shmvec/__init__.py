@@ -5,8 +5,8 @@
 """
 
 from shmvec.errors import WorkerDiedError
-from shmvec.registration import make_vec
+from shmvec.registration import make_mix, make_vec
 from shmvec.vector_env import ShmVectorEnv
 
-__all__ = ["ShmVectorEnv", "WorkerDiedError", "make_vec"]
+__all__ = ["ShmVectorEnv", "WorkerDiedError", "make_mix", "make_vec"]
 __version__ = "0.1.0"

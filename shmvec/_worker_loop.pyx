@@ -318,7 +318,7 @@ def step_pending(
     list envs,
     Py_ssize_t first_env,
     uint8_t[::1] commands,
-    dict reset_args,
+    object take_reset_args,
     list action_views,
     list slots,
     list info_columns,
@@ -331,7 +331,8 @@ def step_pending(
     row, writes the results and its env id there, and publishes the row. Infos
     that are not columns, errors and pickled observations go to
     ``send_message(dict)`` *after* the publish. ``commands`` is the block's
-    slice of the env commands; ``reset_args`` maps env id to (seed, options).
+    slice of the env commands; ``take_reset_args(env_id)`` returns the
+    (seed, options) of an env's reset.
 
     A row whose info opened new info columns carries ``info_columns`` in its
     message, so the main process learns them before it decodes that row.
@@ -351,7 +352,7 @@ def step_pending(
         error = None
         try:
             if command == ENV_RESET:
-                seed, options = reset_args.pop(env_id)
+                seed, options = take_reset_args(env_id)
                 obs, info = envs[i].reset(seed=seed, options=options)
                 result = (obs, 0.0, False, False, [info] if info else None)
             else:

@@ -84,18 +84,24 @@ class AsyncRollouts:
         self,
         seed: int | list[int | None] | None = None,
         options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
+        env_ids: Any = None,
     ) -> None:
-        """Resets every env without waiting; ``recv()`` returns the results.
+        """Resets envs without waiting; ``recv()`` returns the results.
 
-        ``seed`` and ``options`` are expanded as in ``reset`` (groups included).
-        All envs must be idle: ``recv()`` the results still in flight first.
+        ``seed`` and ``options`` are expanded over all envs as in ``reset``
+        (groups included), then env ``e`` gets entry ``e``. ``env_ids`` (default:
+        all) names the envs to reset; they must be idle: ``recv()`` their
+        results first.
         """
         self._assert_is_running()
         if not self.is_async:
+            if env_ids is not None:
+                raise ValueError("env_ids in async_reset needs batch_size < num_envs")
             self.reset_async(seed=seed, options=options)
             self._sync_reset_pending = True
             return
-        busy = np.flatnonzero(~self._awaiting)
+        ids = np.arange(self.num_envs) if env_ids is None else self._check_env_ids(env_ids)
+        busy = ids[~self._awaiting[ids]]
         if busy.size:
             raise RuntimeError(
                 f"async_reset() while envs {busy.tolist()} are still running: recv() their "
@@ -103,9 +109,11 @@ class AsyncRollouts:
             )
         seeds = self._expand_seeds(seed)
         per_env = self._expand_options(options)
-        for index, rows in enumerate(self._env_blocks):
-            self._send(index, "reset", {e: (seeds[e], per_env[e]) for e in rows})
-        self._start_envs(np.arange(self.num_envs), _worker_loop.ENV_RESET)
+        workers = self._env_worker[ids]
+        for index in np.unique(workers).tolist():
+            mine = ids[workers == index].tolist()
+            self._send(index, "reset", {e: (seeds[e], per_env[e]) for e in mine})
+        self._start_envs(ids, _worker_loop.ENV_RESET)
         self._was_reset = True
 
     # ------------------------------------------------------------------- send

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,3 +56,69 @@ def make_vec(
         spec.kwargs["vector_kwargs"] = dict(vector_kwargs)
     envs.unwrapped.spec = spec
     return envs
+
+
+def make_mix(
+    envs: dict[str | Callable[[], gym.Env], int],
+    group_size: int = 1,
+    **vector_kwargs: Any,
+) -> ShmVectorEnv:
+    """One vector env from several env types or configurations that share spaces.
+
+    Args:
+        envs: ``{env id or zero-argument env factory: how many}``, in the order
+            the envs are laid out (env ids ``0 ..``).
+        group_size: passed to ShmVectorEnv; every count must be a multiple of it,
+            so that each group holds one env type.
+        **vector_kwargs: keyword arguments of ShmVectorEnv.
+
+    Returns:
+        A ShmVectorEnv whose ``env_tags[i]`` names env ``i``'s type: the env id,
+        or the factory's ``__name__``.
+
+    Raises:
+        ValueError: when two types' observation or action spaces differ (both are
+            named), or a count is not a positive multiple of ``group_size``.
+
+    Example:
+        >>> import gymnasium as gym
+        >>> import shmvec
+        >>> def heavy_pole():
+        ...     return gym.make("CartPole-v1", max_episode_steps=200)
+        >>> envs = shmvec.make_mix({"CartPole-v1": 2, heavy_pole: 2}, num_workers=2)
+        >>> envs.env_tags
+        ['CartPole-v1', 'CartPole-v1', 'heavy_pole', 'heavy_pole']
+        >>> envs.close()
+    """
+    if not envs:
+        raise ValueError("make_mix needs at least one env type")
+    env_fns, tags, first = [], [], None
+    for kind, count in envs.items():
+        tag = kind if isinstance(kind, str) else getattr(kind, "__name__", repr(kind))
+        if not isinstance(count, int) or count < 1 or count % group_size:
+            raise ValueError(
+                f"make_mix: the count of {tag!r} must be a positive multiple of "
+                f"group_size={group_size}, got {count!r}"
+            )
+        env_fn = _make_env_fn(kind) if isinstance(kind, str) else kind
+        probe = env_fn()
+        spaces = (probe.observation_space, probe.action_space)
+        probe.close()
+        if first is None:
+            first = (tag, spaces)
+        else:
+            for name, mine, theirs in zip(("observation", "action"), spaces, first[1]):
+                if mine != theirs:
+                    raise ValueError(
+                        f"make_mix: {tag!r} has {name} space {mine}, but {first[0]!r} has "
+                        f"{theirs}; every env type must share both spaces"
+                    )
+        env_fns += [env_fn] * count
+        tags += [tag] * count
+    vec = ShmVectorEnv(env_fns, group_size=group_size, **vector_kwargs)
+    vec.env_tags = tags
+    return vec
+
+
+def _make_env_fn(env_id: str) -> Callable[[], gym.Env]:
+    return functools.partial(gym.make, env_id)

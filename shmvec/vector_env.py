@@ -169,6 +169,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 f"group_size must divide num_envs={self.num_envs}, got {group_size}"
             )
         self.group_size = group_size
+        self.env_tags: list[str] | None = None  # set by shmvec.make_mix
         if self.is_async:
             # See csrc/result_ring.h: enough slots that a claim never overruns.
             ring_depth = max(ring_depth, -(-self.num_envs // self.batch_size) + 1)

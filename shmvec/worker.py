@@ -247,14 +247,18 @@ class Worker:
             if generation != self.generation:
                 if not self._run_command(self.barrier.wait_command(self.generation, 0, 0)):
                     return
-            if (self.commands == _worker_loop.ENV_RESET).any() and not self.reset_args:
-                self.reset_args.update(self._recv("reset"))
             _worker_loop.step_pending(
                 self.stepper, self.ring, self.envs, self.rows.start, self.commands,
-                self.reset_args, self.action_views, self.slots, self.info_columns,
+                self._take_reset_args, self.action_views, self.slots, self.info_columns,
                 self.autoreset, lambda message: _send(self.pipe, message),
             )
             self.busy_ns[0] += time.perf_counter_ns() - started
+
+    def _take_reset_args(self, env_id: int) -> tuple:
+        """(seed, options) of env_id's reset; the main sent them before the command."""
+        while env_id not in self.reset_args:
+            self.reset_args.update(self._recv("reset"))
+        return self.reset_args.pop(env_id)
 
     def _check_main(self) -> None:
         if not _main_alive(self.spec.main_pid):

@@ -1,0 +1,334 @@
+"""The async engine: send/recv with batch_size < num_envs, groups, per-env options, mixes."""
+
+from __future__ import annotations
+
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import data_equivalence
+from gymnasium.vector import AutoresetMode
+
+import shmvec
+
+
+class UnevenStep(gym.Wrapper):
+    """CartPole whose steps burn ``k`` times 5 us of CPU: envs finish out of order."""
+
+    def __init__(self, env: gym.Env, k: int) -> None:
+        super().__init__(env)
+        self.k = k
+
+    def step(self, action):
+        deadline = time.perf_counter() + 5e-6 * self.k
+        while time.perf_counter() < deadline:
+            pass
+        return self.env.step(action)
+
+
+class InfoCartPole(gym.Wrapper):
+    """Adds numeric infos every step (columns) and a string now and then (pickled)."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        info = dict(info, lives=3, frame=np.int32(self.env.unwrapped.steps_beyond_terminated or 0))
+        if obs[0] > 0.05:
+            info["note"] = "right"
+        return obs, reward, terminated, truncated, info
+
+
+def uneven(k: int):
+    # Step times differ by 20x between the fastest and the slowest env.
+    return lambda: UnevenStep(gym.make("CartPole-v1"), 1 + (k % 4) * 19 // 3)
+
+
+def reference_step(env, mode, ended, action):
+    """What env gives alone for one action: (obs, reward, terminated, truncated, info, ended)."""
+    if mode == AutoresetMode.NEXT_STEP and ended:
+        obs, info = env.reset()
+        return obs, 0.0, False, False, info, False
+    obs, reward, terminated, truncated, info = env.step(action)
+    if mode == AutoresetMode.SAME_STEP and (terminated or truncated):
+        final_obs, final_info = obs, info
+        obs, info = env.reset()
+        info = {"final_obs": final_obs, "final_info": final_info, **info}
+    return obs, reward, terminated, truncated, info, terminated or truncated
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
+@pytest.mark.parametrize("num_envs,num_workers,batch_size", [(8, 2, 3), (6, 3, 1), (9, 2, 5)])
+def test_each_env_matches_stepping_it_alone(mode, num_envs, num_workers, batch_size):
+    envs = shmvec.ShmVectorEnv(
+        [uneven(k) for k in range(num_envs)],
+        num_workers=num_workers,
+        batch_size=batch_size,
+        autoreset_mode=mode,
+    )
+    alone = [uneven(k)() for k in range(num_envs)]
+    expected = {}
+    for e, env in enumerate(alone):
+        obs, info = env.reset(seed=100 + e)
+        expected[e] = (obs, 0.0, False, False)
+    ended = np.zeros(num_envs, dtype=bool)
+    rng = np.random.default_rng(1)
+    arrivals = []
+    envs.async_reset(seed=100)
+    for _ in range(300):
+        obs, rewards, terminations, truncations, infos = envs.recv()
+        ids = infos["env_id"]
+        assert ids.shape == (batch_size,) and len(set(ids.tolist())) == batch_size
+        arrivals.extend(ids.tolist())
+        for row, e in enumerate(ids.tolist()):
+            want = expected[e]
+            assert np.array_equal(obs[row], want[0]), f"env {e}"
+            assert rewards[row] == want[1]
+            assert terminations[row] == want[2] and truncations[row] == want[3]
+        actions = rng.integers(0, 2, batch_size)
+        envs.send(actions, ids)
+        for e, action in zip(ids.tolist(), actions.tolist()):
+            *result, ended[e] = reference_step(alone[e], mode, ended[e], action)
+            expected[e] = tuple(result[:4])
+    envs.close()
+    # Out-of-order arrival really happened: not a round robin over env ids.
+    assert arrivals[: 3 * num_envs] != sorted(arrivals[: 3 * num_envs])
+    assert set(arrivals) == set(range(num_envs))
+
+
+def test_infos_per_row_with_columns_and_pickles():
+    fns = [lambda: InfoCartPole(gym.make("CartPole-v1"))] * 6
+    envs = shmvec.ShmVectorEnv(fns, num_workers=2, batch_size=4)
+    alone = [fn() for fn in fns]
+    for e, env in enumerate(alone):
+        env.reset(seed=e)
+    envs.async_reset(seed=0)
+    obs, *_, infos = envs.recv()
+    last_info = {}
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        actions = rng.integers(0, 2, 4)
+        ids = infos["env_id"]
+        envs.send(actions, ids)
+        for e, a in zip(ids.tolist(), actions.tolist()):
+            *_, info = alone[e].step(a)
+            if _[1] or _[2]:
+                alone[e].reset()
+                info = {}  # NEXT_STEP: next result carries the reset info instead
+            last_info[e] = info
+        obs, rewards, terminations, truncations, infos = envs.recv()
+        assert infos["env_id"].dtype.kind == "i"
+        for row, e in enumerate(infos["env_id"].tolist()):
+            if e not in last_info or not last_info[e]:
+                continue
+            assert infos["_lives"][row] and infos["lives"][row] == 3
+            assert infos["lives"].dtype == np.int64 and infos["frame"].dtype == np.int32
+            assert infos["lives"].shape == (4,)
+            if "note" in last_info[e]:
+                assert infos["note"][row] == "right" and infos["_note"][row]
+            elif "note" in infos:
+                assert not infos["_note"][row]
+        last_info = {}
+    envs.close()
+
+
+def test_disabled_mode_resets_single_envs():
+    envs = shmvec.ShmVectorEnv(
+        [lambda: gym.make("CartPole-v1")] * 4, num_workers=2, batch_size=2,
+        autoreset_mode="Disabled",
+    )
+    envs.async_reset(seed=0)
+    resets = 0
+    for _ in range(300):
+        obs, rewards, terminations, truncations, infos = envs.recv()
+        ids = infos["env_id"]
+        done = terminations | truncations
+        if done.any():
+            envs.async_reset(env_ids=ids[done])
+            resets += int(done.sum())
+        if (~done).any():
+            envs.send(np.ones(int((~done).sum()), dtype=np.int64), ids[~done])
+    assert resets > 0
+    envs.close()
+
+
+@pytest.fixture
+def async_envs():
+    envs = shmvec.ShmVectorEnv(
+        [lambda: gym.make("CartPole-v1")] * 4, num_workers=2, batch_size=2
+    )
+    yield envs
+    envs.close()
+
+
+def test_misuse_is_a_clear_error(async_envs):
+    envs = async_envs
+    with pytest.raises(RuntimeError, match="before async_reset"):
+        envs.send(np.zeros(2, dtype=np.int64), [0, 1])
+    with pytest.raises(RuntimeError, match="recv\\(\\) waits for batch_size=2"):
+        envs.recv()
+    envs.async_reset(seed=0)
+    with pytest.raises(RuntimeError, match="still running"):
+        envs.async_reset()
+    with pytest.raises(RuntimeError, match="send\\(actions, env_ids\\)"):
+        envs.step(np.zeros(4, dtype=np.int64))
+    *_, infos = envs.recv()
+    ids = infos["env_id"]
+    with pytest.raises(ValueError, match="out of range"):
+        envs.send(np.zeros(1, dtype=np.int64), [4])
+    with pytest.raises(ValueError, match="more than once"):
+        envs.send(np.zeros(2, dtype=np.int64), [ids[0], ids[0]])
+    running = sorted(set(range(4)) - set(ids.tolist()))[0]
+    with pytest.raises(ValueError, match="not awaiting an action"):
+        envs.send(np.zeros(1, dtype=np.int64), [running])
+    with pytest.raises(ValueError, match="shape"):
+        envs.send(np.zeros(3, dtype=np.int64), ids)
+    with pytest.raises(TypeError, match="cannot be cast"):
+        envs.send(np.zeros(2, dtype=np.float32), ids)
+    with pytest.raises(TypeError, match="1-D array of ints"):
+        envs.send(np.zeros(2, dtype=np.int64), [0.5, 1.5])
+    # Nothing above reached a worker: the envs still run.
+    envs.send(np.zeros(2, dtype=np.int64), ids)
+    obs, *_ = envs.recv()
+    assert obs.shape == (2, 4)
+
+
+def test_constructor_checks():
+    fns = [lambda: gym.make("CartPole-v1")] * 4
+    with pytest.raises(ValueError, match="batch_size must be between 1 and num_envs=4"):
+        shmvec.ShmVectorEnv(fns, batch_size=5)
+    with pytest.raises(ValueError, match="group_size must divide num_envs=4"):
+        shmvec.ShmVectorEnv(fns, group_size=3)
+
+
+def test_copy_false_batch_valid_until_next_recv():
+    envs = shmvec.ShmVectorEnv(
+        [lambda: gym.make("CartPole-v1")] * 6, num_workers=2, batch_size=2, copy=False
+    )
+    envs.async_reset(seed=0)
+    obs, *_, infos = envs.recv()
+    kept = obs.copy()
+    for _ in range(3):  # others keep running while we hold the batch
+        envs.send(np.zeros(2, dtype=np.int64), infos["env_id"])
+        assert np.array_equal(obs, kept)
+        obs2, *_, infos = envs.recv()
+        obs, kept = obs2, obs2.copy()
+    envs.close()
+
+
+def test_sync_mode_send_recv_equals_step():
+    fns = [lambda: gym.make("CartPole-v1")] * 4
+    envs = shmvec.ShmVectorEnv(fns, num_workers=2)
+    reference = gym.vector.SyncVectorEnv(fns)
+    envs.async_reset(seed=3)
+    obs, _, _, _, infos = envs.recv()
+    expected, _ = reference.reset(seed=3)
+    assert np.array_equal(obs, expected) and np.array_equal(infos["env_id"], np.arange(4))
+    for t in range(50):
+        actions = np.array([t % 2, 1, 0, (t // 3) % 2])
+        order = np.array([2, 0, 3, 1])
+        envs.send(actions[order], order)
+        got = envs.recv()
+        want = reference.step(actions)
+        for a, b in zip(got[:4], want[:4]):
+            assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="must name each of the 4 envs"):
+        envs.send(np.zeros(2, dtype=np.int64), [0, 1])
+    envs.close()
+
+
+def test_groups_share_seed_and_options():
+    fns = [lambda: gym.make("CartPole-v1")] * 6
+    envs = shmvec.ShmVectorEnv(fns, num_workers=2, group_size=3)
+    obs, _ = envs.reset(seed=7)
+    assert np.array_equal(obs[0], obs[1]) and np.array_equal(obs[1], obs[2])
+    assert not np.array_equal(obs[0], obs[3])
+    alone = gym.make("CartPole-v1")
+    assert np.array_equal(obs[3], alone.reset(seed=8)[0])
+    obs, _ = envs.reset(seed=[5, 6])  # one seed per group
+    assert np.array_equal(obs[2], alone.reset(seed=5)[0])
+    assert np.array_equal(obs[5], alone.reset(seed=6)[0])
+    bounds = [{"low": -0.01, "high": 0.01}, {"low": 0.04, "high": 0.05}]
+    obs, _ = envs.reset(seed=1, options=bounds)  # one options dict per group
+    assert np.all(np.abs(obs[:3]) <= 0.01) and np.all((obs[3:] >= 0.04) & (obs[3:] <= 0.05))
+    envs.close()
+
+
+def test_per_env_options_and_reset_mask():
+    fns = [lambda: gym.make("CartPole-v1")] * 4
+    envs = shmvec.ShmVectorEnv(fns, num_workers=2)
+    reference = gym.vector.SyncVectorEnv(fns)
+    options = [{"low": -0.01 * (i + 1), "high": 0.01 * (i + 1)} for i in range(4)]
+    obs, _ = envs.reset(seed=0, options=options)
+    for i in range(4):
+        assert np.all(np.abs(obs[i]) <= 0.01 * (i + 1))
+        env = gym.make("CartPole-v1")
+        assert np.array_equal(obs[i], env.reset(seed=i, options=options[i])[0])
+    reference.reset(seed=0)
+    before = obs.copy()
+    mask = np.array([False, True, False, True])
+    obs, infos = envs.reset(seed=10, options=[None, {"low": 0.3, "high": 0.4}, None, None],
+                            reset_mask=mask)
+    assert np.array_equal(obs[~mask], before[~mask])
+    assert np.all((obs[1] >= 0.3) & (obs[1] <= 0.4))
+    assert np.array_equal(obs[3], gym.make("CartPole-v1").reset(seed=13)[0])
+    with pytest.raises(ValueError, match="one entry per env: expected 4"):
+        envs.reset(options=[{}, {}])
+    with pytest.raises(TypeError, match=r"options\[1\] must be a dict or None"):
+        envs.reset(options=[{}, 3, {}, {}])
+    envs.close()
+
+
+def test_make_mix_tags_and_space_errors():
+    def short_pole():
+        return gym.make("CartPole-v1", max_episode_steps=20)
+
+    envs = shmvec.make_mix({"CartPole-v1": 2, short_pole: 2}, group_size=2, num_workers=2)
+    assert envs.env_tags == ["CartPole-v1", "CartPole-v1", "short_pole", "short_pole"]
+    assert [spec.max_episode_steps for spec in envs.get_attr("spec")] == [500, 500, 20, 20]
+    envs.reset(seed=0)
+    for _ in range(25):
+        *_, truncations, _ = envs.step(np.zeros(4, dtype=np.int64) + _ % 2)
+    envs.close()
+    with pytest.raises(ValueError, match="'MountainCar-v0' has observation space .*'CartPole-v1'"):
+        shmvec.make_mix({"CartPole-v1": 1, "MountainCar-v0": 1})
+    with pytest.raises(ValueError, match="multiple of group_size=2"):
+        shmvec.make_mix({"CartPole-v1": 3}, group_size=2)
+
+
+def test_stats_count_steps_episodes_and_busy_time(async_envs):
+    envs = async_envs
+    envs.async_reset(seed=0)
+    results = 0
+    episodes = 0
+    for _ in range(200):
+        obs, rewards, terminations, truncations, infos = envs.recv()
+        results += len(rewards)
+        episodes += int(np.count_nonzero(terminations | truncations))
+        envs.send(np.zeros(2, dtype=np.int64), infos["env_id"])
+    stats = envs.stats()
+    assert stats["steps"] == results and stats["episodes"] == episodes > 0
+    assert stats["steps_per_s"] > 0
+    assert 0 < stats["main_wait_fraction"] < 1
+    assert len(stats["worker_busy_fraction"]) == 2
+    assert all(0 < f < 1 for f in stats["worker_busy_fraction"])
+
+
+def test_trajectories_do_not_depend_on_batch_size():
+    def run(batch_size):
+        envs = shmvec.ShmVectorEnv(
+            [uneven(k) for k in range(6)], num_workers=2, batch_size=batch_size
+        )
+        per_env = {e: [] for e in range(6)}
+        envs.async_reset(seed=5)
+        counts = np.zeros(6, dtype=int)
+        while counts.min() < 30:
+            obs, rewards, *_, infos = envs.recv()
+            ids = infos["env_id"]
+            for row, e in enumerate(ids.tolist()):
+                per_env[e].append((obs[row].copy(), rewards[row]))
+            counts[ids] += 1
+            envs.send((counts[ids] % 2).astype(np.int64), ids)
+        envs.close()
+        return {e: v[:30] for e, v in per_env.items()}
+
+    assert data_equivalence(run(1), run(4), exact=True)
