@@ -333,7 +333,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             block_mask = None if mask is None else mask[block]
             self._send(index, "reset", (seeds[block], per_env[block], block_mask))
         self._reset_mask = mask
-        self._barrier.post(RESET, slot)
+        self._post(RESET, slot)
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
@@ -434,7 +434,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 self._send(index, "actions", per_env[rows.start : rows.stop])
         else:
             self._action_codec.write_batch(self._action_views, actions)
-        self._barrier.post(STEP, self._next_slot())
+        self._post(STEP, self._next_slot())
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(
@@ -479,7 +479,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         payload = (name, args, kwargs)
         for index in range(self.num_workers):
             self._send(index, "call", payload)
-        self._barrier.post(CALL)
+        self._post(CALL)
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
@@ -521,7 +521,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._finish_unfinished_round()
         for index, rows in enumerate(self._env_blocks):
             self._send(index, "set_attr", (name, list(values[rows.start : rows.stop])))
-        self._barrier.post(SET_ATTR)
+        self._post(SET_ATTR)
         self._state = AsyncState.WAITING_CALL
         self._finish_round(None, "set_attr")
 
@@ -557,7 +557,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         if not terminate:
             try:
                 self._finish_unfinished_round(CLOSE_GRACE_S if timeout is None else timeout)
-                self._barrier.post(CLOSE)
+                self._post(CLOSE)
                 self._state = AsyncState.WAITING_CALL
                 self._wait_done(CLOSE_GRACE_S if timeout is None else timeout, "close")
             except (multiprocessing.TimeoutError, WorkerDiedError):
@@ -582,6 +582,13 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
     def _next_slot(self) -> int:
         self._slot = (self._slot + 1) % self.ring_depth
         return self._slot
+
+    def _post(self, kind: int, arg: int = 0) -> None:
+        """Starts a barrier round; async-mode workers sleep on their doorbells."""
+        self._barrier.post(kind, arg)
+        if self.is_async:
+            for bell in self._doorbells:
+                bell.ring()
 
     def _send(self, index: int, tag: str, payload: Any) -> None:
         """Sends worker ``index`` a payload it reads with ``Worker._recv(tag)``."""

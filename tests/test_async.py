@@ -332,3 +332,15 @@ def test_trajectories_do_not_depend_on_batch_size():
         return {e: v[:30] for e, v in per_env.items()}
 
     assert data_equivalence(run(1), run(4), exact=True)
+
+
+def test_call_set_attr_and_close_while_envs_run(async_envs):
+    envs = async_envs
+    envs.async_reset(seed=0)
+    *_, infos = envs.recv()  # two envs' results are in, two may still run
+    assert envs.get_attr("spec")[0].id == "CartPole-v1"
+    envs.set_attr("marker", [1, 2, 3, 4])
+    assert envs.get_attr("marker") == (1, 2, 3, 4)
+    envs.send(np.zeros(2, dtype=np.int64), infos["env_id"])
+    obs, *_ = envs.recv()
+    assert obs.shape == (2, 4)
