@@ -115,6 +115,7 @@ def throughput(benchmark, request) -> Callable[..., Throughput | None]:
     return run
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-benchmark's own tables
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
     """Prints steps/s of every row and shmvec's ratios against the peers of its group."""
     results: list[Throughput] = config.stash.get(RESULTS, [])

@@ -197,6 +197,7 @@ class AsyncRollouts:
                 "envs are running: send() actions first"
             )
         if self._held_slot is not None:
+            self._before_slot_reuse(self._held_slot)
             self._ring.release(self._held_slot)
             self._held_slot = None
         slot = self._recv_slot

@@ -33,6 +33,7 @@ import contextlib
 import csv
 import dataclasses
 import importlib.util
+import multiprocessing
 import os
 import platform
 import signal
@@ -221,10 +222,16 @@ def _single_stepper(factory: Callable[[], gym.Env], seed: int) -> Stepper:
 def _sb3_stepper(
     factory: Callable[[], gym.Env], num_envs: int, context: str | None, seed: int
 ) -> Stepper:
-    """Stable-Baselines3's ``SubprocVecEnv``: one process per env, pipes and pickles."""
+    """Stable-Baselines3's ``SubprocVecEnv``: one process per env, pipes and pickles.
+
+    With ``context=None`` it uses Python's default start method, as the other
+    backends do, rather than SB3's own default, forkserver, under which every
+    worker imports torch: 64 envs then take over two minutes to start on 2 cores.
+    """
     from stable_baselines3.common.vec_env import SubprocVecEnv
 
-    env = SubprocVecEnv([factory] * num_envs, start_method=context)
+    start_method = context or multiprocessing.get_start_method()
+    env = SubprocVecEnv([factory] * num_envs, start_method=start_method)
 
     def close(terminate: bool) -> None:
         if terminate:
@@ -260,12 +267,16 @@ def open_backend(
     """Opens ``num_envs`` copies of ``workload`` on ``backend``; the caller must close it.
 
     Prefer ``opened(...)``, which closes it for you. ``single`` ignores
-    ``num_envs`` (it is always one env); ``num_workers`` applies to shmvec only.
+    ``num_envs`` (it is always one env); ``num_workers`` applies to shmvec only
+    and is capped at ``num_envs``, so that one value can serve a whole sweep.
     """
     factory = WORKLOADS[workload]
     fns = [factory] * num_envs
     if backend in ("shmvec", "shmvec-nocopy"):
         import shmvec
+
+        if num_workers is not None:
+            num_workers = min(num_workers, num_envs)
 
         env = shmvec.ShmVectorEnv(
             fns, copy=backend == "shmvec", context=context, num_workers=num_workers
@@ -296,9 +307,21 @@ def opened(backend: str, workload: str, num_envs: int, **kwargs: Any) -> Iterato
     try:
         yield stepper
     except BaseException:
-        stepper.close(True)
+        _terminate(stepper)
         raise
-    stepper.close(False)
+    try:
+        stepper.close(False)
+    except BaseException:  # a close that fails or times out still must not leak workers
+        _terminate(stepper)
+        raise
+
+
+def _terminate(stepper: Stepper) -> None:
+    """Closes with ``terminate=True``, keeping the exception that got us here."""
+    try:
+        stepper.close(True)
+    except Exception as exc:
+        print(f"note: terminating the backend failed too: {exc!r}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------- measurement
@@ -394,13 +417,13 @@ def measure(
     """Opens, warms up, times and closes one backend; failures become ``error`` rows."""
     workers = 0
     try:
-        with deadline(timeout_s), opened(
-            backend, workload, num_envs, num_workers=num_workers, context=context
-        ) as stepper:
-            workers = stepper.num_workers
-            num_envs = stepper.num_envs
-            run_steps(stepper, warmup_s)
-            steps, elapsed, durations = run_steps(stepper, seconds)
+        with deadline(timeout_s):
+            options = {"num_workers": num_workers, "context": context}
+            with opened(backend, workload, num_envs, **options) as stepper:
+                workers = stepper.num_workers
+                num_envs = stepper.num_envs
+                run_steps(stepper, warmup_s)
+                steps, elapsed, durations = run_steps(stepper, seconds)
     except Exception as exc:  # a crash or hang is a result to report, not a reason to stop
         return Measurement(
             workload, backend, num_envs, workers, 0, 0.0, float("nan"), float("nan"),
@@ -500,7 +523,9 @@ def write_csv(measurements: Sequence[Measurement], path: Path) -> None:
             writer.writerow(dataclasses.asdict(m))
 
 
-def write_plot(measurements: Sequence[Measurement], path: Path, cores: int) -> bool:
+def write_plot(
+    measurements: Sequence[Measurement], path: Path, cores: int, title: str = ""
+) -> bool:
     """Steps/s against num_envs per backend, log y, one subplot per workload.
 
     Returns False (after saying why on stderr) when matplotlib is not installed.
@@ -518,10 +543,12 @@ def write_plot(measurements: Sequence[Measurement], path: Path, cores: int) -> b
     workloads = list(dict.fromkeys(m.workload for m in ok))
     if not workloads:
         return False
-    fig, axes = plt.subplots(
-        1, len(workloads), figsize=(4.5 * len(workloads), 4), squeeze=False
-    )
-    for ax, workload in zip(axes[0], workloads):
+    ncols = min(2, len(workloads))
+    nrows = -(-len(workloads) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.5 * nrows), squeeze=False)
+    for ax in axes.flat[len(workloads) :]:
+        ax.set_visible(False)
+    for ax, workload in zip(axes.flat, workloads):
         rows = [m for m in ok if m.workload == workload]
         for backend in dict.fromkeys(m.backend for m in rows):
             if backend == "single":
@@ -533,24 +560,29 @@ def write_plot(measurements: Sequence[Measurement], path: Path, cores: int) -> b
             ax.axhline(single, color="gray", linestyle="--", label="single env")
             ax.axhline(cores * single, color="gray", linestyle=":", label=f"{cores} x single")
         ax.set_xscale("log", base=2)
+        sizes = sorted({m.num_envs for m in rows})
+        ax.set_xticks(sizes, [str(n) for n in sizes])
         ax.set_yscale("log")
         ax.set_title(workload)
         ax.set_xlabel("num_envs")
         ax.set_ylabel("steps/s")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title, fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
 
 
-def machine_summary(cores: int) -> str:
-    """One line naming what the figures were measured on."""
+def machine_summary(cores: int, load_before: float) -> str:
+    """One line naming what the figures were measured on, and how busy it was."""
     import shmvec
 
     return (
         f"{platform.node()} | {platform.processor() or platform.machine()} | cores={cores} | "
+        f"load {load_before:.2f} -> {load_average():.2f} | "
         f"python {platform.python_version()} | gymnasium {gym.__version__} | "
         f"numpy {np.__version__} | shmvec {shmvec.__version__}"
     )
@@ -562,6 +594,29 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def load_average() -> float:
+    """The 1-minute load average (0.0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def warn_if_busy(cores: int) -> float:
+    """Says on stderr when other processes already use a good part of the cores.
+
+    Returns the load average it judged by.
+    """
+    load = load_average()
+    if load > 0.25 * cores:
+        print(
+            f"note: load average is {load:.2f} on {cores} cores; other processes compete "
+            "for the CPU and the figures will be low and noisy",
+            file=sys.stderr,
+        )
+    return load
 
 
 class _Progress:
@@ -603,9 +658,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="shmvec-bench",
         description="Steps/s of shmvec against gymnasium Sync/AsyncVectorEnv, SB3 and one env.",
     )
-    parser.add_argument(
-        "--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS)
-    )
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument(
         "--backends", nargs="+", choices=BACKENDS, default=None,
         help=f"default: {' '.join(DEFAULT_BACKENDS)} (with --quick: {' '.join(QUICK_BACKENDS)})",
@@ -620,12 +673,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=0.25, help="warm-up seconds before it")
     parser.add_argument(
         "--quick", action="store_true",
-        help="CartPole 32 envs, cpu100us 8 envs, noop 1 env against sync and async (< 1 min)",
+        help="CartPole 32 envs, cpu100us 8 envs, noop 1 env against sync and async, in "
+        "about 20 s; replaces --workloads and --num-envs",
     )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument(
         "--context", choices=["fork", "spawn", "forkserver"], default=None,
-        help="multiprocessing start method for shmvec, async and sb3 (default: each's own)",
+        help="multiprocessing start method for shmvec, async and sb3 (default: Python's)",
     )  # fmt: skip
     parser.add_argument(
         "--cores", type=int, default=None, help="cores for parallel efficiency (default: usable)"
@@ -635,13 +689,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="give up on one measurement after this many seconds (a hang is reported, not waited)",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.quick:
-        args.backends = args.backends or list(QUICK_BACKENDS)
-        if args.seconds == parser.get_default("seconds"):
-            args.seconds = 0.75
-        if args.warmup == parser.get_default("warmup"):
-            args.warmup = 0.2
-    args.backends = args.backends or list(DEFAULT_BACKENDS)
+    if args.backends is None:
+        args.backends = list(QUICK_BACKENDS if args.quick else DEFAULT_BACKENDS)
     return args
 
 
@@ -659,6 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pairs = [(w, n) for w in args.workloads for n in args.num_envs]
     cases = plan_cases(pairs, backends)
 
+    load_before = warn_if_busy(cores)
     started = time.perf_counter()
     measurements = []
     progress = _Progress(len(cases))
@@ -678,8 +728,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(measurements, args.out / "results.csv")
-    plotted = write_plot(measurements, args.out / "throughput.png", cores)
-    print(machine_summary(cores))
+    summary = machine_summary(cores, load_before)
+    plotted = write_plot(measurements, args.out / "throughput.png", cores, title=summary)
+    print(summary)
     print(f"efficiency = steps/s / ({cores} cores x single-env steps/s)\n")
     print(markdown_table(measurements))
     written = ["results.csv"] + (["throughput.png"] if plotted else [])

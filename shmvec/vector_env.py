@@ -415,6 +415,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def step_async(self, actions: ArrayType) -> None:
         """Writes ``actions`` into the action slab and starts a step."""
+        self._step_async(actions, write=True)
+
+    def _step_async(self, actions: ArrayType | None, write: bool) -> None:
+        """Starts a step; ``write=False`` when the caller filled the slab itself."""
         self._assert_is_running()
         if self.is_async:
             raise RuntimeError(
@@ -427,7 +431,9 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 str(self._state.value),
             )
         self._finish_unfinished_round()
-        if self._action_codec.pickled:
+        if not write:
+            pass
+        elif self._action_codec.pickled:
             per_env = [None] * self.num_envs
             self._action_codec.write_batch(per_env, actions)
             for index, rows in enumerate(self._env_blocks):
@@ -581,7 +587,12 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _next_slot(self) -> int:
         self._slot = (self._slot + 1) % self.ring_depth
+        self._before_slot_reuse(self._slot)
         return self._slot
+
+    def _before_slot_reuse(self, slot: int) -> None:
+        """Called before workers may overwrite ``slot``; the torch bridge waits
+        there for its device copy out of that slot to finish."""
 
     def _post(self, kind: int, arg: int = 0) -> None:
         """Starts a barrier round; async-mode workers sleep on their doorbells."""
@@ -592,8 +603,13 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _send(self, index: int, tag: str, payload: Any) -> None:
         """Sends worker ``index`` a payload it reads with ``Worker._recv(tag)``."""
-        message = (tag, payload)
-        self._pipes[index].send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        message = pickle.dumps((tag, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self._pipes[index].send_bytes(message)
+        except (BrokenPipeError, ConnectionResetError):
+            self._workers[index].join(1.0)
+            self._check_alive(index)  # raises WorkerDiedError
+            raise
 
     def _recv(self, index: int, timeout: float | None, row: bool = False) -> dict:
         """The next message of worker ``index``, noticing its death.

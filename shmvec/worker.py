@@ -143,23 +143,21 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
             _core.set_parent_death_signal(signal.SIGKILL)
         except OSError:
             pass  # the watchdog in Worker.serve still notices
-    segment = _core.Segment.attach(segment_fd.fd)
-    os.close(segment_fd.fd)
     try:
-        envs = _make_envs(spec)
+        segment = _core.Segment.attach(segment_fd.fd)
+        os.close(segment_fd.fd)
+        worker = Worker(spec, segment, pipe, _make_envs(spec))
     except BaseException as exc:  # noqa: BLE001 - reported to the main process
         pipe.send_bytes(pickle.dumps({"startup_error": (_safe_exception(exc),
                                                         traceback.format_exc())}))
         return
     pipe.send_bytes(pickle.dumps({"ready": os.getpid()}))
     try:
-        worker = Worker(spec, segment, pipe, envs)
         if spec.batch_size < spec.num_envs:
             worker.serve_async()
         else:
             worker.serve()
     finally:
-        del envs
         pipe.close()
 
 

@@ -1,0 +1,133 @@
+"""The torch bridge: the CPU path everywhere, the CUDA path where a GPU is present."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import shmvec  # noqa: E402
+from shmvec.torch import TorchVectorEnv  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cartpoles(n=4, **kwargs):
+    return shmvec.ShmVectorEnv([lambda: gym.make("CartPole-v1")] * n, num_workers=2, **kwargs)
+
+
+def dict_envs(n=4):
+    def make():
+        return gym.wrappers.TransformObservation(
+            gym.make("CartPole-v1"),
+            lambda o: {"pos": o[:2], "flag": np.int64(o[0] > 0)},
+            gym.spaces.Dict(
+                pos=gym.spaces.Box(-np.inf, np.inf, (2,), np.float32), flag=gym.spaces.Discrete(2)
+            ),
+        )
+
+    return shmvec.ShmVectorEnv([make] * n, num_workers=2)
+
+
+def test_cpu_tensors_equal_numpy_results():
+    envs = TorchVectorEnv(cartpoles())
+    reference = cartpoles()
+    obs, _ = envs.reset(seed=3)
+    expected, _ = reference.reset(seed=3)
+    assert isinstance(obs, torch.Tensor) and np.array_equal(obs.numpy(), expected)
+    for t in range(60):
+        actions = torch.tensor([t % 2, 1, 0, 1])
+        obs, rewards, terminations, truncations, infos = envs.step(actions)
+        want = reference.step(actions.numpy())
+        assert np.array_equal(obs.numpy(), want[0])
+        assert rewards.dtype == torch.float32 and np.array_equal(rewards.numpy(), want[1])
+        assert terminations.dtype == torch.bool
+        assert np.array_equal(terminations.numpy(), want[2])
+        assert np.array_equal(truncations.numpy(), want[3])
+    envs.close()
+    reference.close()
+
+
+def test_cpu_tensors_are_views_of_the_ring_with_copy_false():
+    envs = TorchVectorEnv(cartpoles(copy=False))
+    obs, _ = envs.reset(seed=0)
+    shm = envs.shm
+    ring_obs = shm._slots[shm._slot].obs[0]
+    assert obs.data_ptr() == ring_obs.ctypes.data  # zero-copy
+    kept = obs.clone()
+    obs2, *_ = envs.step(torch.zeros(4, dtype=torch.int64))
+    assert torch.equal(obs, kept)  # still valid one step later (ring_depth=2)
+    assert obs2.data_ptr() != obs.data_ptr()
+    envs.close()
+
+
+def test_dict_observations_and_numpy_actions():
+    envs = TorchVectorEnv(dict_envs())
+    obs, _ = envs.reset(seed=1)
+    assert set(obs) == {"pos", "flag"} and obs["flag"].dtype == torch.int64
+    obs, rewards, *_ = envs.step(np.ones(4, dtype=np.int64))
+    assert tuple(obs["pos"].shape) == (4, 2) and tuple(rewards.shape) == (4,)
+    envs.close()
+
+
+def test_bad_tensor_actions_are_refused_before_the_workers():
+    envs = TorchVectorEnv(cartpoles())
+    envs.reset(seed=0)
+    with pytest.raises(ValueError, match="shape"):
+        envs.step(torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="cannot be cast"):
+        envs.step(torch.zeros(4, dtype=torch.float32))
+    obs, *_ = envs.step(torch.zeros(4, dtype=torch.int64))  # still usable
+    assert tuple(obs.shape) == (4, 4)
+    envs.close()
+
+
+def test_async_send_recv_with_tensors():
+    envs = TorchVectorEnv(cartpoles(n=6, batch_size=3))
+    envs.shm.async_reset(seed=0)
+    obs, rewards, terminations, truncations, infos = envs.recv()
+    for _ in range(20):
+        envs.send(torch.ones(3, dtype=torch.int64), torch.as_tensor(infos["env_id"]))
+        obs, rewards, terminations, truncations, infos = envs.recv()
+        assert tuple(obs.shape) == (3, 4) and len(infos["env_id"]) == 3
+    envs.close()
+
+
+def test_refuses_other_vector_envs():
+    with pytest.raises(TypeError, match="needs a ShmVectorEnv"):
+        TorchVectorEnv(gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")]))
+
+
+@needs_cuda
+def test_cuda_results_equal_numpy_results_and_slots_wait_for_copies():
+    torch.cuda.init()  # CUDA initialized before the env forks its workers
+    envs = TorchVectorEnv(cartpoles(n=8), device="cuda")
+    reference = cartpoles(n=8)
+    obs, _ = envs.reset(seed=5)
+    expected, _ = reference.reset(seed=5)
+    assert obs.is_cuda and np.array_equal(obs.cpu().numpy(), expected)
+    assert torch.from_numpy(envs.shm._action_views[0]).is_pinned()
+    kept = []
+    for t in range(200):
+        actions = torch.full((8,), t % 2, dtype=torch.int64, device="cuda")
+        obs, rewards, terminations, truncations, infos = envs.step(actions)
+        want = reference.step(np.full(8, t % 2))
+        kept.append((obs, want[0]))
+        assert np.array_equal(rewards.cpu().numpy(), want[1])
+        assert np.array_equal(terminations.cpu().numpy(), want[2])
+    # Device tensors own their memory: none was overwritten by later steps.
+    for got, want in kept:
+        assert np.array_equal(got.cpu().numpy(), want)
+    envs.close()
+    reference.close()
+
+
+@needs_cuda
+def test_cuda_dict_observations():
+    envs = TorchVectorEnv(dict_envs(), device="cuda")
+    obs, _ = envs.reset(seed=0)
+    assert obs["pos"].is_cuda and obs["flag"].is_cuda
+    envs.step(torch.zeros(4, dtype=torch.int64, device="cuda"))
+    envs.close()
