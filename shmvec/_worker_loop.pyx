@@ -12,6 +12,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
 
 from numpy import ndarray as _ndarray
+from numpy import shape as _shape
 
 from shmvec.infos import CELL_KINDS as _CELL_KINDS
 from shmvec.infos import CODES as _CODES
@@ -149,6 +150,7 @@ cdef class Stepper:
 
     cdef object action_codec, obs_codec, action_column, obs_column, obs_shape
     cdef bint direct_action, copy_action, direct_obs
+    cdef public bint python_actions  # the user gave a list: hand out Python values
     cdef int mode
 
     def __cinit__(self, object action_codec, object obs_codec, int mode):
@@ -165,6 +167,8 @@ cdef class Stepper:
         cdef object action
         if self.direct_action:
             action = action_views[0][env_id]
+            if self.python_actions:
+                return action.tolist()  # what iterating the user's list gives
             return action.copy() if self.copy_action else action
         return self.action_codec.read(action_views, env_id)
 
@@ -190,7 +194,7 @@ cdef class Stepper:
         """Stores ``result`` (from ``advance``) at ``row``."""
         obs, reward, terminated, truncated = result[0], result[1], result[2], result[3]
         if self.direct_obs:
-            if type(obs) is _ndarray and obs.shape != self.obs_shape:
+            if (obs.shape if type(obs) is _ndarray else _shape(obs)) != self.obs_shape:
                 self.obs_codec.write(obs_views, row, obs)  # raises, naming the field
             obs_views[0][row] = obs
         else:

@@ -86,9 +86,10 @@ class ArrayCodec(Codec):
         return [self.spec]
 
     def write(self, views, row, value):
-        if type(value) is np.ndarray and value.shape != self.spec.shape:
+        shape = value.shape if type(value) is np.ndarray else np.shape(value)
+        if shape != self.spec.shape:
             raise ValueError(
-                f"observation{self.path} has shape {value.shape}, but its space "
+                f"observation{self.path} has shape {shape}, but its space "
                 f"{self.space} has shape {self.spec.shape}"
             )
         views[0][row] = value

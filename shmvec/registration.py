@@ -39,7 +39,14 @@ def make_vec(
     """
     if not isinstance(num_envs, int) or num_envs < 1:
         raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
-    env_spec = gym.spec(id) if isinstance(id, str) else id
+    if isinstance(id, str):
+        env_spec = gym.spec(id)
+    else:  # e.g. envs.spec of an earlier make_vec: take back what it recorded
+        env_spec = copy.deepcopy(id)
+        recorded = env_spec.kwargs.pop("num_envs", num_envs)
+        num_envs = recorded if num_envs == 1 else num_envs
+        env_spec.kwargs.pop("vectorization_mode", None)
+        vector_kwargs = {**env_spec.kwargs.pop("vector_kwargs", {}), **(vector_kwargs or {})}
     wrappers = list(wrappers or [])
 
     def create_single_env() -> gym.Env:

@@ -440,7 +440,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 self._send(index, "actions", per_env[rows.start : rows.stop])
         else:
             self._action_codec.write_batch(self._action_views, actions)
-        self._post(STEP, self._next_slot())
+        # Bit 31 of the argument: actions came as a list, so each env gets the
+        # Python value iterating it gives (gymnasium passes actions by value).
+        python_actions = write and isinstance(actions, (list, tuple))
+        self._post(STEP, self._next_slot() | (python_actions << 31))
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(
@@ -572,6 +575,12 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 self._state = AsyncState.DEFAULT
         self._terminate_workers(grace_s=0.0 if terminate else CLOSE_GRACE_S)
         self._release()
+
+    def __enter__(self) -> ShmVectorEnv:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def __del__(self) -> None:
         if not getattr(self, "closed", True):

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -100,6 +102,27 @@ def _send(pipe, message: dict) -> None:
         pipe.send_bytes(pickle.dumps({"errors": errors}))
 
 
+def _watch_main(pid: int) -> None:
+    """Exits this worker as soon as the main process ends, even mid-step.
+
+    A pidfd becomes readable when the process exits (zombie or not); the
+    death signal alone misses forkserver children (their parent is the
+    forkserver) and envs built from a non-main thread.
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (AttributeError, OSError):
+        return  # no pidfds (old kernel/Python): the waits' watchdog remains
+
+    def wait_then_exit() -> None:
+        select.select([pidfd], [], [])
+        os._exit(0)
+
+    threading.Thread(target=wait_then_exit, name="shmvec-watchdog", daemon=True).start()
+
+
 def _main_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -142,7 +165,8 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
         try:
             _core.set_parent_death_signal(signal.SIGKILL)
         except OSError:
-            pass  # the watchdog in Worker.serve still notices
+            pass  # the watchdogs still notice
+    _watch_main(spec.main_pid)
     try:
         segment = _core.Segment.attach(segment_fd.fd)
         os.close(segment_fd.fd)
@@ -300,7 +324,9 @@ class Worker:
         """Where observations of this round go: columns, or a dict to pickle."""
         return {} if self.obs_codec.pickled else self.slots[slot].obs
 
-    def step(self, slot: int) -> dict:
+    def step(self, arg: int) -> dict:
+        slot = arg & 0x7FFFFFFF
+        self.stepper.python_actions = bool(arg >> 31)
         action_views = self.action_views
         if self.action_codec.pickled:
             action_views = [None] * self.spec.num_envs

@@ -98,7 +98,7 @@ class CustomSpaceEnv(gym.Env):
 
     def _info(self) -> dict[str, Any]:
         rng = self.np_random
-        kind = int(rng.integers(0, 7))
+        kind = int(rng.integers(0, 10))
         if kind == 0:
             return {}
         if kind == 1:
@@ -111,7 +111,17 @@ class CustomSpaceEnv(gym.Env):
             return {"msg": f"t={self.t}"}
         if kind == 5:
             return {"nested": {"a": self.t, "b": {"c": np.float32(self.t) / 2, "s": "deep"}}}
-        return {"score": self.t, "msg": "both", "vec": np.arange(3, dtype=np.float64)}
+        if kind == 6:
+            return {"score": self.t, "msg": "both", "vec": np.arange(3, dtype=np.float64)}
+        if kind == 7:
+            # More numeric keys than shmvec's info columns (8): must still arrive.
+            return {f"a{j}": j * self.t for j in range(10)}
+        if kind == 8:
+            # One key, different scalar types from step to step: the batch dtype
+            # is the type of the first env reporting it, later values are cast.
+            mixed = self.t + 0.5 if self.t % 2 else self.t
+            return {"mixed": mixed, "u64": np.uint64(2**63 + self.t), "f16": np.float16(0.25)}
+        return {"npbool": np.bool_(self.t % 2), "score": self.t, "neg": -(2**40) - self.t}
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
@@ -215,6 +225,128 @@ class SequenceEnv(gym.Env):
         return self._obs(float(action[0])), float(action[0]), False, ended, {}
 
 
+class WordSpace(spaces.Space):
+    """An unregistered custom space of short words (no fixed size, not batchable)."""
+
+    WORDS = ("red", "green", "blue", "cyan")
+
+    def __init__(self, seed=None):
+        super().__init__(shape=None, dtype=None, seed=seed)
+
+    def sample(self, mask=None, probability=None):
+        return self.WORDS[int(self.np_random.integers(len(self.WORDS)))]
+
+    def contains(self, x):
+        return x in self.WORDS
+
+    def __eq__(self, other):
+        return isinstance(other, WordSpace)
+
+
+class WordEnv(gym.Env):
+    """Custom space for both observations and actions: string actions must
+    reach the env unchanged."""
+
+    def __init__(self):
+        self.observation_space = WordSpace()
+        self.action_space = WordSpace()
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return WordSpace.WORDS[int(self.np_random.integers(4))], {}
+
+    def step(self, action):
+        assert isinstance(action, str), f"got {action!r}"
+        self.t += 1
+        return (
+            action[::-1] if self.t % 2 else action,
+            len(action),
+            self.t >= 3,
+            False,
+            {"heard": action},
+        )
+
+
+class OneOfEnv(gym.Env):
+    """OneOf observations (pickled by shmvec; wrong in gymnasium's shared memory)."""
+
+    def __init__(self):
+        self.observation_space = spaces.OneOf(
+            (spaces.Discrete(5), spaces.Box(-1.0, 1.0, (2,), np.float32))
+        )
+        self.action_space = spaces.Discrete(2)
+        self.t = 0
+
+    def _obs(self):
+        if self.np_random.integers(2):
+            return (0, np.int64(self.np_random.integers(5)))
+        return (1, self.np_random.uniform(-1, 1, 2).astype(np.float32))
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(), float(action), self.t >= 4, False, {}
+
+
+class ActionTypeEnv(gym.Env):
+    """Records the type and value of every action it receives."""
+
+    def __init__(self, kind: str = "discrete"):
+        self.observation_space = spaces.Discrete(3)
+        if kind == "discrete":
+            self.action_space = spaces.Discrete(4)
+        elif kind == "box":
+            self.action_space = spaces.Box(-1.0, 1.0, (2,), np.float32)
+        elif kind == "text":
+            self.action_space = spaces.Text(max_length=5, min_length=1, charset="xyz")
+        else:
+            raise ValueError(kind)
+        self.seen: list = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return 0, {}
+
+    def step(self, action):
+        value = action.tolist() if isinstance(action, np.ndarray) else action
+        self.seen.append(
+            (type(action).__name__, getattr(action, "dtype", None) and str(action.dtype), value)
+        )
+        return 1, 0.0, False, False, {}
+
+
+class ScriptedInfoEnv(gym.Env):
+    """Returns the infos it is told to: step ``t`` returns ``script[t % len]``;
+    the episode ends every ``episode_len`` steps (the NEXT_STEP reset info is
+    ``reset_info``)."""
+
+    def __init__(self, episode_len: int = 3):
+        self.observation_space = spaces.Discrete(2)
+        self.action_space = spaces.Discrete(2)
+        self.script: list[dict] = [{}]
+        self.reset_info: dict = {}
+        self.episode_len = episode_len
+        self.t = 0
+        self.k = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return 0, dict(self.reset_info)
+
+    def step(self, action):
+        info = dict(self.script[self.k % len(self.script)])
+        self.k += 1
+        self.t += 1
+        return 1, 0.0, self.t >= self.episode_len, False, info
+
+
 class CountingEnv(gym.Env):
     """Observation = number of steps since reset (plus an offset set by set_attr).
 
@@ -230,9 +362,13 @@ class CountingEnv(gym.Env):
         delay: float = 0.0,
         render_mode: str | None = None,
         tag: str = "",
+        high: int = 1_000_000,
+        obs_len: int = 2,
+        n_actions: int = 4,
     ) -> None:
-        self.observation_space = spaces.Box(0, 1_000_000, (2,), np.int64)
-        self.action_space = spaces.Discrete(4)
+        self.observation_space = spaces.Box(0, high, (obs_len,), np.int64)
+        self.action_space = spaces.Discrete(n_actions)
+        self.obs_len = obs_len
         self.episode_len = episode_len
         self.delay = delay
         self.render_mode = render_mode
@@ -241,7 +377,9 @@ class CountingEnv(gym.Env):
         self.t = 0
 
     def _obs(self, action: int = 0):
-        return np.array([self.t + self.offset, action], dtype=np.int64)
+        obs = np.zeros(self.obs_len, dtype=np.int64)
+        obs[:2] = [self.t + self.offset, action][: self.obs_len]
+        return obs
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -264,12 +402,42 @@ class CountingEnv(gym.Env):
         return 2 * x + self.offset
 
 
+class ConcurrencyProbeEnv(CountingEnv):
+    """Records, in a shared ``multiprocessing.Array('i', 2)`` inherited through
+    fork, how many envs are inside ``step``/``reset`` at once ([0]: now,
+    [1]: the maximum seen)."""
+
+    def __init__(self, probe, delay: float = 0.01) -> None:
+        super().__init__()
+        self.probe = probe
+        self.probe_delay = delay
+
+    def _enter_exit(self, fn):
+        with self.probe.get_lock():
+            self.probe[0] += 1
+            self.probe[1] = max(self.probe[1], self.probe[0])
+        try:
+            time.sleep(self.probe_delay)
+            return fn()
+        finally:
+            with self.probe.get_lock():
+                self.probe[0] -= 1
+
+    def reset(self, *, seed=None, options=None):
+        return self._enter_exit(lambda: super(ConcurrencyProbeEnv, self).reset(seed=seed))
+
+    def step(self, action):
+        return self._enter_exit(lambda: super(ConcurrencyProbeEnv, self).step(action))
+
+
 class FailingEnv(CountingEnv):
     """Raises EnvBoom in step ``fail_step`` (1-based) and in reset when
     ``options`` has ``"fail"``; only if ``index == fail_index``."""
 
-    def __init__(self, index: int, fail_index: int, fail_step: int = 3) -> None:
+    def __init__(self, index: int, fail_index, fail_step: int = 3) -> None:
         super().__init__()
+        if isinstance(fail_index, (tuple, list)):
+            fail_index = index if index in fail_index else -1
         self.index = index
         self.fail_index = fail_index
         self.fail_step = fail_step
@@ -283,6 +451,19 @@ class FailingEnv(CountingEnv):
         if self.index == self.fail_index and self.t + 1 == self.fail_step:
             raise EnvBoom(f"step boom in env {self.index} at step {self.fail_step}")
         return super().step(action)
+
+
+class UnpicklableError(Exception):
+    def __init__(self, message):
+        super().__init__(message)
+        self.callback = lambda: None  # a lambda does not pickle
+
+
+class UnpicklableErrorEnv(CountingEnv):
+    """Raises an exception that cannot be pickled in step 1."""
+
+    def step(self, action):
+        raise UnpicklableError("cannot travel")
 
 
 class SelfKillingEnv(CountingEnv):
@@ -367,7 +548,7 @@ ENV_CASES = {
     "Acrobot-v1": lambda n: gym_fns("Acrobot-v1", n, max_episode_steps=15),
     "Pendulum-v1": lambda n: gym_fns("Pendulum-v1", n, max_episode_steps=12),
     "FrozenLake-v1": lambda n: gym_fns("FrozenLake-v1", n),
-    "Taxi-v3": lambda n: gym_fns("Taxi-v3", n, max_episode_steps=12),
+    "Taxi-v4": lambda n: gym_fns("Taxi-v4", n, max_episode_steps=12),
     "Blackjack-v1": lambda n: gym_fns("Blackjack-v1", n),
     "CustomSpaceEnv": lambda n: class_fns(CustomSpaceEnv, n),
 }

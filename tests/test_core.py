@@ -259,9 +259,7 @@ def test_futex_wake_across_processes(waiters):
     pool = []
     for _ in range(waiters):
         parent, child = FORK.Pipe()
-        p = FORK.Process(
-            target=_child_entry, args=(_wait_on_word, child, seg.fd, W0, 0, 20 * SEC)
-        )
+        p = FORK.Process(target=_child_entry, args=(_wait_on_word, child, seg.fd, W0, 0, 20 * SEC))
         p.start()
         child.close()
         pool.append((p, parent))
@@ -390,7 +388,7 @@ def test_step_barrier_rounds_under_contention(num_workers, spin_ns):
             assert _core.atomic_load(seg, W0) == (r + 1) * num_workers
         barrier.post(STOP, 0)
         assert barrier.wait_done(spin_ns, 10 * SEC)
-        for p, parent in pool:
+        for _, parent in pool:
             assert parent.poll(20)
             kind, value = parent.recv()
             assert kind == "ok", value
@@ -444,7 +442,7 @@ def test_wait_done_times_out_until_the_last_worker_arrives():
         assert barrier.wait_done(0, 10 * SEC) is True
         assert barrier.arrived() == 2
         assert counters[1] == 1
-        for p, parent in pool:
+        for _, parent in pool:
             assert parent.poll(20)
             assert parent.recv() == ("ok", "arrived")
     finally:
