@@ -49,6 +49,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from shmvec.spin import available_cpus
+
 # --------------------------------------------------------------------- workloads
 
 #: CPU time each ``cpu100us`` step burns, in seconds.
@@ -141,27 +143,47 @@ def make_largeobs() -> gym.Env:
     return LargeObsEnv()
 
 
+class VariableStep(gym.Wrapper):
+    """CartPole whose step burns 1 to 20 times 9.5 us of CPU, drawn anew each
+    step (mean ~100 us): the workload where envs finish at different times."""
+
+    def __init__(self, env: gym.Env, seed: int | None = None) -> None:
+        super().__init__(env)
+        self._rng = np.random.default_rng(seed)
+
+    def step(self, action):
+        burn_cpu(9.5e-6 * self._rng.integers(1, 21))
+        return self.env.step(action)
+
+
+def make_varstep() -> gym.Env:
+    """A ``VariableStep`` CartPole-v1."""
+    return VariableStep(gym.make("CartPole-v1"))
+
+
 #: Workload name -> env factory (a module-level function, so workloads pickle by name).
 WORKLOADS: dict[str, Callable[[], gym.Env]] = {
     "cartpole": make_cartpole,
     "cpu100us": make_cpu100us,
+    "varstep": make_varstep,
     "noop": make_noop,
     "largeobs": make_largeobs,
 }
+#: EnvPool's task for a workload, where it has one.
+ENVPOOL_TASKS = {"cartpole": "CartPole-v1"}
 
 # ---------------------------------------------------------------------- backends
 
 #: Every backend this module can time. ``async-nocopy`` (AsyncVectorEnv with
 #: copy=False) is not in the default set; it is the fair peer of ``shmvec-nocopy``.
-BACKENDS = ("shmvec", "shmvec-nocopy", "sync", "async", "async-nocopy", "sb3", "single")
+BACKENDS = (
+    "shmvec", "shmvec-nocopy", "shmvec-async", "sync", "async", "async-nocopy", "sb3",
+    "envpool", "envpool-async", "single",
+)  # fmt: skip
 DEFAULT_BACKENDS = ("shmvec", "shmvec-nocopy", "sync", "async", "sb3", "single")
 #: Batches of random actions drawn before timing, then replayed in a cycle.
 NUM_ACTION_BATCHES = 256
 
-
-def sb3_available() -> bool:
-    """Whether ``stable_baselines3`` can be imported (without importing it and torch)."""
-    return importlib.util.find_spec("stable_baselines3") is not None
 
 
 @dataclass
@@ -179,6 +201,8 @@ class Stepper:
     #: Processes stepping the envs; 0 when they run in the calling process.
     num_workers: int
     close: Callable[[bool], None]
+    #: Env steps one ``step`` call makes: ``num_envs``, or the batch of an async backend.
+    steps_per_call: int | None = None
 
 
 def _sample_actions(space: gym.Space, seed: int) -> list[Any]:
@@ -255,6 +279,55 @@ def _sb3_stepper(
     return Stepper(env.step, actions, num_envs, num_envs, close)
 
 
+def _async_stepper(env, num_workers: int, batch_size: int, seed: int | None) -> Stepper:
+    """An EnvPool-style loop (shmvec's or EnvPool's): each call is recv then send.
+
+    ``seed`` goes to ``async_reset`` (None for EnvPool, seeded at construction).
+    """
+
+    def step(actions):
+        *_, infos = env.recv()
+        env.send(actions[:batch_size], infos["env_id"])
+
+    try:
+        env.async_reset() if seed is None else env.async_reset(seed=seed)
+        space = getattr(env, "single_action_space", None) or env.action_space
+        space.seed(seed or 0)
+        actions = [
+            np.stack([space.sample() for _ in range(batch_size)])
+            for _ in range(NUM_ACTION_BATCHES)
+        ]
+    except BaseException:
+        env.close()
+        raise
+    return Stepper(step, actions, env_count(env), num_workers,
+                   lambda terminate: env.close(), batch_size)
+
+
+def env_count(env) -> int:
+    return getattr(env, "num_envs", None) or env.config["num_envs"]
+
+
+def _envpool_stepper(workload: str, num_envs: int, batch_size: int, seed: int) -> Stepper:
+    """EnvPool: the envs run in C++ threads, one per core."""
+    import envpool
+
+    if workload not in ENVPOOL_TASKS:
+        raise ValueError(f"EnvPool has no {workload!r} workload")
+    env = envpool.make_gymnasium(
+        ENVPOOL_TASKS[workload], num_envs=num_envs, batch_size=batch_size,
+        num_threads=min(available_cpus(), num_envs), seed=seed,
+    )  # fmt: skip
+    if batch_size < num_envs:
+        return _async_stepper(env, available_cpus(), batch_size, None)
+    env.reset()
+    space = env.action_space
+    space.seed(seed)
+    actions = [np.stack([space.sample() for _ in range(num_envs)])
+               for _ in range(NUM_ACTION_BATCHES)]
+    return Stepper(env.step, actions, num_envs, available_cpus(), lambda t: env.close())
+
+
 def open_backend(
     backend: str,
     workload: str,
@@ -282,6 +355,16 @@ def open_backend(
             fns, copy=backend == "shmvec", context=context, num_workers=num_workers
         )
         return _vector_stepper(env, env.num_workers, seed)
+    if backend == "shmvec-async":
+        import shmvec
+
+        batch = max(1, num_envs // 2)
+        workers = None if num_workers is None else min(num_workers, num_envs)
+        env = shmvec.ShmVectorEnv(fns, context=context, num_workers=workers, batch_size=batch)
+        return _async_stepper(env, env.num_workers, batch, seed)
+    if backend in ("envpool", "envpool-async"):
+        batch = num_envs if backend == "envpool" else max(1, num_envs // 2)
+        return _envpool_stepper(workload, num_envs, batch, seed)
     if backend == "sync":
         return _vector_stepper(gym.vector.SyncVectorEnv(fns), 0, seed)
     if backend in ("async", "async-nocopy"):
@@ -339,7 +422,7 @@ class Measurement:
     #: Batched ``step`` calls in the timed window.
     steps: int
     seconds: float
-    #: ``num_envs * steps / seconds``.
+    #: Env steps per second: ``num_envs`` (an async backend: its batch) ``* steps / seconds``.
     steps_per_s: float
     #: Median wall time of one batched ``step`` call (the round trip), microseconds.
     median_step_us: float
@@ -422,6 +505,7 @@ def measure(
             with opened(backend, workload, num_envs, **options) as stepper:
                 workers = stepper.num_workers
                 num_envs = stepper.num_envs
+                per_call = stepper.steps_per_call or num_envs
                 run_steps(stepper, warmup_s)
                 steps, elapsed, durations = run_steps(stepper, seconds)
     except Exception as exc:  # a crash or hang is a result to report, not a reason to stop
@@ -436,7 +520,7 @@ def measure(
         num_workers=workers,
         steps=steps,
         seconds=elapsed,
-        steps_per_s=num_envs * steps / elapsed,
+        steps_per_s=per_call * steps / elapsed,
         median_step_us=statistics.median(durations) / 1e3,
     )
 
@@ -482,6 +566,8 @@ def plan_cases(pairs: Sequence[tuple[str, int]], backends: Sequence[str]) -> lis
                 num_envs_here = 1
                 if Case(workload, backend, 1) in cases:
                     continue
+            elif backend.startswith("envpool") and workload not in ENVPOOL_TASKS:
+                continue
             else:
                 num_envs_here = num_envs
             cases.append(Case(workload, backend, num_envs_here))
@@ -588,14 +674,6 @@ def machine_summary(cores: int, load_before: float) -> str:
     )
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def load_average() -> float:
     """The 1-minute load average (0.0 where the platform has none)."""
     try:
@@ -699,9 +777,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cores = args.cores or available_cpus()
     backends = list(args.backends)
-    if "sb3" in backends and not sb3_available():
-        print("note: stable_baselines3 is not installed; skipping sb3", file=sys.stderr)
-        backends.remove("sb3")
+    for name, module in (("sb3", "stable_baselines3"), ("envpool", "envpool")):
+        if importlib.util.find_spec(module) is None:
+            skipped = [b for b in backends if b.startswith(name)]
+            if skipped:
+                print(f"note: {module} is not installed; skipping {skipped}", file=sys.stderr)
+            backends = [b for b in backends if not b.startswith(name)]
     if args.quick:
         pairs = list(QUICK_CASES)
     else:
