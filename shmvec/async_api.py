@@ -144,12 +144,12 @@ class AsyncRollouts:
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise TypeError(f"env_ids must be a 1-D array of ints, got {env_ids!r}")
         ids = ids.astype(np.int64)
-        bad = ids[(ids < 0) | (ids >= self.num_envs)]
-        if bad.size:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_envs):
+            bad = ids[(ids < 0) | (ids >= self.num_envs)]
             raise ValueError(f"env_ids {bad.tolist()} out of range [0, {self.num_envs})")
-        unique, counts = np.unique(ids, return_counts=True)
-        if (counts > 1).any():
-            raise ValueError(f"env_ids {unique[counts > 1].tolist()} appear more than once")
+        counts = np.bincount(ids, minlength=self.num_envs)
+        if len(ids) != np.count_nonzero(counts):
+            raise ValueError(f"env_ids {np.flatnonzero(counts > 1).tolist()} appear more than once")
         running = ids[~self._awaiting[ids]]
         if running.size:
             raise ValueError(
@@ -161,7 +161,8 @@ class AsyncRollouts:
     def _start_envs(self, env_ids: np.ndarray, command: int) -> None:
         self._env_commands[env_ids] = command
         self._awaiting[env_ids] = False
-        for index in np.unique(self._env_worker[env_ids]).tolist():
+        workers = np.bincount(self._env_worker[env_ids], minlength=self.num_workers)
+        for index in np.flatnonzero(workers).tolist():
             self._doorbells[index].ring()
 
     def _send_sync(self, actions: Any, env_ids: Any) -> None:
