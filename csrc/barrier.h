@@ -23,10 +23,10 @@
 // when each spinning process has a core of its own (see shmvec/spin.py).
 #pragma once
 
+#include <sched.h>
+
 #include <atomic>
 #include <cstdint>
-
-#include <sched.h>
 
 #include "futex.h"
 
@@ -38,11 +38,11 @@ struct alignas(64) PaddedWord {
 };
 
 struct alignas(64) BarrierWords {
-  PaddedWord generation;      // futex: bumped by post(); workers sleep on it
-  PaddedWord worker_sleepers; // workers inside futex_wait on `generation`
-  PaddedWord done;            // futex: arrivals this round; main sleeps on it
-  PaddedWord main_sleeping;   // 1 while main is inside futex_wait on `done`
-  PaddedWord command_kind;    // written before `generation` is bumped
+  PaddedWord generation;       // futex: bumped by post(); workers sleep on it
+  PaddedWord worker_sleepers;  // workers inside futex_wait on `generation`
+  PaddedWord done;             // futex: arrivals this round; main sleeps on it
+  PaddedWord main_sleeping;    // 1 while main is inside futex_wait on `done`
+  PaddedWord command_kind;     // written before `generation` is bumped
   PaddedWord command_arg;
 };
 
@@ -73,8 +73,8 @@ class StepBarrier {
   }
 
   // [worker] Waits for a generation other than `last_generation`.
-  WaitStatus wait_command(uint32_t last_generation, int64_t spin_ns,
-                          int64_t timeout_ns, Command* out) noexcept;
+  WaitStatus wait_command(uint32_t last_generation, int64_t spin_ns, int64_t timeout_ns,
+                          Command* out) noexcept;
   // [worker] Ends this worker's part of the round.
   void arrive() noexcept;
 
@@ -89,9 +89,8 @@ class StepBarrier {
 // `sleepers`; this function increments `sleepers` *then* re-reads `word`, so
 // at least one side sees the other (no lost wake-up).
 template <class Ready>
-WaitStatus spin_then_sleep(std::atomic<uint32_t>& word,
-                           std::atomic<uint32_t>& sleepers, Ready ready,
-                           int64_t spin_ns, int64_t timeout_ns) noexcept {
+WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
+                           Ready ready, int64_t spin_ns, int64_t timeout_ns) noexcept {
   if (ready(word.load(std::memory_order_acquire))) return WaitStatus::kReady;
   const int64_t start = monotonic_ns();
   if (spin_ns > 0) {

@@ -2,14 +2,13 @@
 // includes pybind11. Every call that can block releases the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <sys/prctl.h>
 
 #include <csignal>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <system_error>
-
-#include <sys/prctl.h>
 
 #include "barrier.h"
 #include "futex.h"
@@ -72,7 +71,8 @@ uint8_t* words_at(Segment& seg, size_t offset, size_t size) {
 struct PyRing {
   PyRing(py::object segment_obj, size_t offset, uint32_t num_slots, uint32_t batch_size)
       : segment(std::move(segment_obj)),
-        ring(words_at(segment.cast<Segment&>(), offset, shmvec::ResultRing::bytes(num_slots)),
+        ring(words_at(segment.cast<Segment&>(), offset,
+                      shmvec::ResultRing::bytes(num_slots)),
              num_slots, batch_size) {
     if (batch_size == 0 || num_slots == 0) throw py::value_error("empty ring");
   }
@@ -106,14 +106,14 @@ from it; `close_fd()` only drops the fd.
                   "Maps the segment behind `fd` and checks its header.")
       .def_property_readonly("size", &Segment::size)
       .def_property_readonly("fd", &Segment::fd)
-      .def_property_readonly(
-          "address", [](const Segment& s) { return uintptr_t(s.data()); })
-      .def_property_readonly(
-          "creator_pid", [](const Segment& s) { return s.header().creator_pid; })
+      .def_property_readonly("address",
+                             [](const Segment& s) { return uintptr_t(s.data()); })
+      .def_property_readonly("creator_pid",
+                             [](const Segment& s) { return s.header().creator_pid; })
       .def("close_fd", &Segment::close_fd)
       .def_buffer([](Segment& s) {
-        return py::buffer_info(s.data(), 1, py::format_descriptor<uint8_t>::format(),
-                               1, {s.size()}, {1});
+        return py::buffer_info(s.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {s.size()}, {1});
       });
 
   py::enum_<WaitStatus>(m, "WaitStatus")
@@ -127,11 +127,12 @@ timeout waits for ever.
 )doc")
       .def(py::init<py::object, size_t, uint32_t>(), py::arg("segment"),
            py::arg("offset"), py::arg("num_workers"))
-      .def_property_readonly_static(
-          "nbytes", [](py::object) { return sizeof(BarrierWords); })
-      .def("post",
-           [](PyBarrier& b, uint32_t kind, uint32_t arg) { b.barrier.post(kind, arg); },
-           py::arg("kind"), py::arg("arg") = 0)
+      .def_property_readonly_static("nbytes",
+                                    [](py::object) { return sizeof(BarrierWords); })
+      .def(
+          "post",
+          [](PyBarrier& b, uint32_t kind, uint32_t arg) { b.barrier.post(kind, arg); },
+          py::arg("kind"), py::arg("arg") = 0)
       .def(
           "wait_done",
           [](PyBarrier& b, int64_t spin_ns, int64_t timeout_ns) {
@@ -146,7 +147,8 @@ timeout waits for ever.
           py::arg("spin_ns"), py::arg("timeout_ns"),
           "True once every worker arrived, False on timeout.")
       .def("arrived", [](PyBarrier& b) { return b.barrier.arrived(); })
-      .def_property_readonly("generation", [](PyBarrier& b) { return b.barrier.generation(); })
+      .def_property_readonly("generation",
+                             [](PyBarrier& b) { return b.barrier.generation(); })
       .def(
           "wait_command",
           [](PyBarrier& b, uint32_t last_generation, int64_t spin_ns,
@@ -178,7 +180,9 @@ exposed for tests; the workers call them from Cython.
              shmvec::RowRef ref = r.ring.claim();
              return py::make_tuple(ref.slot, ref.row);
            })
-      .def("publish", [](PyRing& r, uint32_t slot) { r.ring.publish(slot); }, py::arg("slot"))
+      .def(
+          "publish", [](PyRing& r, uint32_t slot) { r.ring.publish(slot); },
+          py::arg("slot"))
       .def(
           "wait_full",
           [](PyRing& r, uint32_t slot, int64_t spin_ns, int64_t timeout_ns) {
@@ -202,7 +206,8 @@ exposed for tests; the workers call them from Cython.
       .def("ring", [](PyDoorbell& d) { d.bell.ring(); })
       .def(
           "wait",
-          [](PyDoorbell& d, uint32_t last, int64_t spin_ns, int64_t timeout_ns) -> py::object {
+          [](PyDoorbell& d, uint32_t last, int64_t spin_ns,
+             int64_t timeout_ns) -> py::object {
             uint32_t seen = 0;
             WaitStatus s;
             {
@@ -226,11 +231,16 @@ exposed for tests; the workers call them from Cython.
           r = shmvec::futex_wait(w, expected, timeout_ns);
         }
         switch (r) {
-          case shmvec::FutexResult::kWoken: return std::string("woken");
-          case shmvec::FutexResult::kValueChanged: return std::string("value_changed");
-          case shmvec::FutexResult::kTimedOut: return std::string("timed_out");
-          case shmvec::FutexResult::kInterrupted: return std::string("interrupted");
-          default: throw std::system_error(errno, std::generic_category(), "futex_wait");
+          case shmvec::FutexResult::kWoken:
+            return std::string("woken");
+          case shmvec::FutexResult::kValueChanged:
+            return std::string("value_changed");
+          case shmvec::FutexResult::kTimedOut:
+            return std::string("timed_out");
+          case shmvec::FutexResult::kInterrupted:
+            return std::string("interrupted");
+          default:
+            throw std::system_error(errno, std::generic_category(), "futex_wait");
         }
       },
       py::arg("segment"), py::arg("offset"), py::arg("expected"), py::arg("timeout_ns"));
@@ -261,7 +271,8 @@ exposed for tests; the workers call them from Cython.
       "set_parent_death_signal",
       [](int sig) {
         if (prctl(PR_SET_PDEATHSIG, sig) != 0) {
-          throw std::system_error(errno, std::generic_category(), "prctl(PR_SET_PDEATHSIG)");
+          throw std::system_error(errno, std::generic_category(),
+                                  "prctl(PR_SET_PDEATHSIG)");
         }
       },
       py::arg("signal"),

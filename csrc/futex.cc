@@ -1,12 +1,12 @@
 #include "futex.h"
 
-#include <cerrno>
-#include <climits>
-#include <ctime>
-
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <ctime>
 
 namespace shmvec {
 
@@ -29,8 +29,8 @@ FutexResult futex_wait(std::atomic<uint32_t>* word, uint32_t expected,
     ts.tv_nsec = timeout_ns % 1000000000LL;
     tsp = &ts;  // FUTEX_WAIT takes a relative CLOCK_MONOTONIC timeout
   }
-  long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT,
-                    expected, tsp, nullptr, 0);
+  long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected,
+                    tsp, nullptr, 0);
   if (rc == 0) return FutexResult::kWoken;
   switch (errno) {
     case EAGAIN:
@@ -45,8 +45,8 @@ FutexResult futex_wait(std::atomic<uint32_t>* word, uint32_t expected,
 }
 
 int futex_wake(std::atomic<uint32_t>* word, int count) {
-  long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE,
-                    count, nullptr, nullptr, 0);
+  long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, count,
+                    nullptr, nullptr, 0);
   return rc < 0 ? -1 : int(rc);
 }
 

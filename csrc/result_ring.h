@@ -34,7 +34,7 @@ namespace shmvec {
 struct alignas(64) RingHeader {
   std::atomic<uint64_t> claimed;  // rows claimed so far (never wraps in practice)
   char pad0[64 - sizeof(std::atomic<uint64_t>)];
-  PaddedWord main_sleeping;       // main inside futex_wait on some `filled`
+  PaddedWord main_sleeping;  // main inside futex_wait on some `filled`
 };
 
 struct RowRef {

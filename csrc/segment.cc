@@ -1,15 +1,15 @@
 #include "segment.h"
 
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 #include <system_error>
 #include <utility>
-
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 namespace shmvec {
 

@@ -220,7 +220,9 @@ class AsyncRollouts:
         rewards, terminations, truncations = views.rewards, views.terminations, views.truncations
         if self.copy:
             rewards, terminations, truncations = (
-                rewards.copy(), terminations.copy(), truncations.copy()
+                rewards.copy(),
+                terminations.copy(),
+                truncations.copy(),
             )
         return obs, rewards, terminations.view(np.bool_), truncations.view(np.bool_), infos
 

@@ -185,7 +185,6 @@ DEFAULT_BACKENDS = ("shmvec", "shmvec-nocopy", "sync", "async", "sb3", "single")
 NUM_ACTION_BATCHES = 256
 
 
-
 @dataclass
 class Stepper:
     """One opened backend, reset and ready to time.
@@ -294,14 +293,14 @@ def _async_stepper(env, num_workers: int, batch_size: int, seed: int | None) -> 
         space = getattr(env, "single_action_space", None) or env.action_space
         space.seed(seed or 0)
         actions = [
-            np.stack([space.sample() for _ in range(batch_size)])
-            for _ in range(NUM_ACTION_BATCHES)
+            np.stack([space.sample() for _ in range(batch_size)]) for _ in range(NUM_ACTION_BATCHES)
         ]
     except BaseException:
         env.close()
         raise
-    return Stepper(step, actions, env_count(env), num_workers,
-                   lambda terminate: env.close(), batch_size)
+    return Stepper(
+        step, actions, env_count(env), num_workers, lambda terminate: env.close(), batch_size
+    )
 
 
 def env_count(env) -> int:
@@ -323,8 +322,9 @@ def _envpool_stepper(workload: str, num_envs: int, batch_size: int, seed: int) -
     env.reset()
     space = env.action_space
     space.seed(seed)
-    actions = [np.stack([space.sample() for _ in range(num_envs)])
-               for _ in range(NUM_ACTION_BATCHES)]
+    actions = [
+        np.stack([space.sample() for _ in range(num_envs)]) for _ in range(NUM_ACTION_BATCHES)
+    ]
     return Stepper(env.step, actions, num_envs, available_cpus(), lambda t: env.close())
 
 

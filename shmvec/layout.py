@@ -148,8 +148,7 @@ class TextCodec(Codec):
             codes = [self.codes[c] for c in value]
         except KeyError as e:
             raise ValueError(
-                f"text{self.path} {value!r} has character {e.args[0]!r}, not in the "
-                f"space's charset"
+                f"text{self.path} {value!r} has character {e.args[0]!r}, not in the space's charset"
             ) from None
         out = views[0][row]
         out[: len(codes)] = codes
@@ -378,7 +377,9 @@ class SegmentLayout:
     def worker_words(self, buffer) -> np.ndarray:
         """uint32 per worker, 1 when a pickled message follows its round."""
         words = np.ndarray(
-            (self.num_workers, CACHE_LINE // 4), np.uint32, buffer=buffer,
+            (self.num_workers, CACHE_LINE // 4),
+            np.uint32,
+            buffer=buffer,
             offset=self.worker_words_offset,
         )
         return words[:, 0]
@@ -386,15 +387,18 @@ class SegmentLayout:
     def worker_busy_ns(self, buffer) -> np.ndarray:
         """uint64 per worker: nanoseconds it spent serving commands (its own line)."""
         words = np.ndarray(
-            (self.num_workers, CACHE_LINE // 8), np.uint64, buffer=buffer,
+            (self.num_workers, CACHE_LINE // 8),
+            np.uint64,
+            buffer=buffer,
             offset=self.worker_words_offset,
         )
         return words[:, 1]
 
     def env_commands(self, buffer) -> np.ndarray:
         """uint8 per env (async mode): what the env's worker must do next."""
-        return np.ndarray((self.num_envs,), np.uint8, buffer=buffer,
-                          offset=self.env_commands_offset)
+        return np.ndarray(
+            (self.num_envs,), np.uint8, buffer=buffer, offset=self.env_commands_offset
+        )
 
     def action_views(self, buffer) -> list[np.ndarray]:
         return self._views(buffer, self.action_offsets, self.action_columns, self.num_envs)

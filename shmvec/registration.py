@@ -57,8 +57,7 @@ def make_vec(
 
     envs = ShmVectorEnv([create_single_env] * num_envs, **(vector_kwargs or {}))
     spec = copy.deepcopy(env_spec)
-    spec.kwargs = {**spec.kwargs, **kwargs, "num_envs": num_envs,
-                   "vectorization_mode": "shmvec"}
+    spec.kwargs = {**spec.kwargs, **kwargs, "num_envs": num_envs, "vectorization_mode": "shmvec"}
     if vector_kwargs:
         spec.kwargs["vector_kwargs"] = dict(vector_kwargs)
     envs.unwrapped.spec = spec

@@ -29,7 +29,8 @@ Example:
     >>> obs, infos = envs.reset(seed=0)
     >>> obs.dtype, tuple(obs.shape)
     (torch.float32, (4, 4))
-    >>> obs, rewards, terminations, truncations, infos = envs.step(torch.zeros(4, dtype=torch.int64))
+    >>> actions = torch.zeros(4, dtype=torch.int64)
+    >>> obs, rewards, terminations, truncations, infos = envs.step(actions)
     >>> envs.close()
 """
 
@@ -68,9 +69,7 @@ class TorchVectorEnv(VectorWrapper):
         self.device = torch.device(device)
         self.reward_dtype = reward_dtype
         self._single_action_column = isinstance(shm._action_codec, ArrayCodec)
-        self._slab = (
-            torch.from_numpy(shm._action_views[0]) if self._single_action_column else None
-        )
+        self._slab = torch.from_numpy(shm._action_views[0]) if self._single_action_column else None
         self._registered = False
         if self.device.type == "cuda":
             self._init_cuda()
@@ -169,8 +168,7 @@ class TorchVectorEnv(VectorWrapper):
             obs, rewards, terminations, truncations, infos = self.shm.step_wait()
         else:
             obs, rewards, terminations, truncations, infos = self.env.step(_to_numpy(actions))
-        return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations),
-                infos)
+        return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations), infos)
 
     def send(self, actions, env_ids=None) -> None:
         """``ShmVectorEnv.send`` with torch or numpy actions and env ids."""
@@ -179,8 +177,7 @@ class TorchVectorEnv(VectorWrapper):
     def recv(self, timeout: float | None = None):
         """``ShmVectorEnv.recv`` as tensors; ``infos["env_id"]`` stays numpy."""
         obs, rewards, terminations, truncations, infos = self.shm.recv(timeout)
-        return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations),
-                infos)
+        return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations), infos)
 
     def _result_slot(self) -> int:
         shm = self.shm
@@ -190,9 +187,9 @@ class TorchVectorEnv(VectorWrapper):
         """Waits for copies in flight, unregisters the pinned segment, closes."""
         if self._registered:
             torch.cuda.synchronize(self.device)
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(
-                self.shm._segment.address
-            ))
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostUnregister(self.shm._segment.address)
+            )
             self._registered = False
         super().close(**kwargs)
 

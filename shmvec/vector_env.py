@@ -14,11 +14,11 @@ Example:
 from __future__ import annotations
 
 import multiprocessing
-from collections import deque
 import os
 import pickle
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,7 +49,11 @@ from shmvec.worker import (
     worker_main,
 )
 
-_AUTORESET_CODES = {AutoresetMode.NEXT_STEP: 0, AutoresetMode.SAME_STEP: 1, AutoresetMode.DISABLED: 2}
+_AUTORESET_CODES = {
+    AutoresetMode.NEXT_STEP: 0,
+    AutoresetMode.SAME_STEP: 1,
+    AutoresetMode.DISABLED: 2,
+}
 
 #: The main process checks that its workers are alive this often while it waits.
 LIVENESS_CHECK_S = 0.1
@@ -165,9 +169,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 f"batch_size must be between 1 and num_envs={self.num_envs}, got {batch_size}"
             )
         if group_size < 1 or self.num_envs % group_size:
-            raise ValueError(
-                f"group_size must divide num_envs={self.num_envs}, got {group_size}"
-            )
+            raise ValueError(f"group_size must divide num_envs={self.num_envs}, got {group_size}")
         self.group_size = group_size
         self.env_tags: list[str] | None = None  # set by shmvec.make_mix
         if self.is_async:

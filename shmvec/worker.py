@@ -97,8 +97,14 @@ def _send(pipe, message: dict) -> None:
     try:
         pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as exc:  # noqa: BLE001 - unpicklable info or result
-        errors = [(row, RuntimeError(f"cannot send the result to the main process: {exc!r}"),
-                   traceback.format_exc()) for row in message.get("rows", [-1])]
+        errors = [
+            (
+                row,
+                RuntimeError(f"cannot send the result to the main process: {exc!r}"),
+                traceback.format_exc(),
+            )
+            for row in message.get("rows", [-1])
+        ]
         pipe.send_bytes(pickle.dumps({"errors": errors}))
 
 
@@ -172,8 +178,9 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
         os.close(segment_fd.fd)
         worker = Worker(spec, segment, pipe, _make_envs(spec))
     except BaseException as exc:  # noqa: BLE001 - reported to the main process
-        pipe.send_bytes(pickle.dumps({"startup_error": (_safe_exception(exc),
-                                                        traceback.format_exc())}))
+        pipe.send_bytes(
+            pickle.dumps({"startup_error": (_safe_exception(exc), traceback.format_exc())})
+        )
         return
     pipe.send_bytes(pickle.dumps({"ready": os.getpid()}))
     try:
@@ -270,9 +277,17 @@ class Worker:
                 if not self._run_command(self.barrier.wait_command(self.generation, 0, 0)):
                     return
             _worker_loop.step_pending(
-                self.stepper, self.ring, self.envs, self.rows.start, self.commands,
-                self._take_reset_args, self.action_views, self.slots, self.info_columns,
-                self.autoreset, lambda message: _send(self.pipe, message),
+                self.stepper,
+                self.ring,
+                self.envs,
+                self.rows.start,
+                self.commands,
+                self._take_reset_args,
+                self.action_views,
+                self.slots,
+                self.info_columns,
+                self.autoreset,
+                lambda message: _send(self.pipe, message),
             )
             self.busy_ns[0] += time.perf_counter_ns() - started
 
@@ -334,8 +349,15 @@ class Worker:
         views = self.slots[slot]
         obs_target = self._obs_target(slot)
         infos, errors, announced = _worker_loop.step_envs(
-            self.stepper, self.envs, self.spec.first_env, action_views, obs_target,
-            views.rewards, views.terminations, views.truncations, self.autoreset,
+            self.stepper,
+            self.envs,
+            self.spec.first_env,
+            action_views,
+            obs_target,
+            views.rewards,
+            views.terminations,
+            views.truncations,
+            self.autoreset,
             self.info_columns[slot],
         )
         return self._message(infos, errors, obs_target, announced)

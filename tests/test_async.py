@@ -133,7 +133,9 @@ def test_infos_per_row_with_columns_and_pickles():
 
 def test_disabled_mode_resets_single_envs():
     envs = shmvec.ShmVectorEnv(
-        [lambda: gym.make("CartPole-v1")] * 4, num_workers=2, batch_size=2,
+        [lambda: gym.make("CartPole-v1")] * 4,
+        num_workers=2,
+        batch_size=2,
         autoreset_mode="Disabled",
     )
     envs.async_reset(seed=0)
@@ -153,9 +155,7 @@ def test_disabled_mode_resets_single_envs():
 
 @pytest.fixture
 def async_envs():
-    envs = shmvec.ShmVectorEnv(
-        [lambda: gym.make("CartPole-v1")] * 4, num_workers=2, batch_size=2
-    )
+    envs = shmvec.ShmVectorEnv([lambda: gym.make("CartPole-v1")] * 4, num_workers=2, batch_size=2)
     yield envs
     envs.close()
 
@@ -266,8 +266,9 @@ def test_per_env_options_and_reset_mask():
     reference.reset(seed=0)
     before = obs.copy()
     mask = np.array([False, True, False, True])
-    obs, infos = envs.reset(seed=10, options=[None, {"low": 0.3, "high": 0.4}, None, None],
-                            reset_mask=mask)
+    obs, infos = envs.reset(
+        seed=10, options=[None, {"low": 0.3, "high": 0.4}, None, None], reset_mask=mask
+    )
     assert np.array_equal(obs[~mask], before[~mask])
     assert np.all((obs[1] >= 0.3) & (obs[1] <= 0.4))
     assert np.array_equal(obs[3], gym.make("CartPole-v1").reset(seed=13)[0])
