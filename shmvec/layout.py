@@ -107,6 +107,8 @@ class ArrayCodec(Codec):
 
     def _check_and_copy(self, out: np.ndarray, value) -> None:
         array = np.asarray(value)
+        if array.ndim == 0:  # gymnasium's iterate() says the same
+            raise TypeError(f"Unable to iterate over the following elements: {value}")
         if array.shape != out.shape:
             raise ValueError(
                 f"actions{self.path} have shape {array.shape}, expected {out.shape} "
