@@ -138,8 +138,13 @@ class TorchVectorEnv(VectorWrapper):
         return converted
 
     def _write_actions(self, actions: Any) -> bool:
-        """Copies tensor actions into the slab; False if the env must write them."""
-        if not (self._single_action_column and isinstance(actions, torch.Tensor)):
+        """Copies tensor actions into the slab; False if the env must write them.
+
+        Only when this bridge wraps the ShmVectorEnv itself: vector wrappers in
+        between must see every step.
+        """
+        direct = self.env is self.shm and self._single_action_column
+        if not (direct and isinstance(actions, torch.Tensor)):
             return False
         slab = self._slab
         if tuple(actions.shape) != tuple(slab.shape):

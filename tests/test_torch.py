@@ -131,3 +131,17 @@ def test_cuda_dict_observations():
     assert obs["pos"].is_cuda and obs["flag"].is_cuda
     envs.step(torch.zeros(4, dtype=torch.int64, device="cuda"))
     envs.close()
+
+
+def test_tensor_actions_go_through_wrappers_in_between():
+    from gymnasium.wrappers.vector import RecordEpisodeStatistics
+
+    envs = TorchVectorEnv(RecordEpisodeStatistics(cartpoles()))
+    envs.reset(seed=0)
+    episodes = 0
+    for _ in range(200):
+        *_, terminations, truncations, infos = envs.step(torch.zeros(4, dtype=torch.int64))
+        if "episode" in infos:
+            episodes += int(infos["_episode"].sum())
+    assert episodes > 0 and len(envs.env.return_queue) == episodes
+    envs.close()
