@@ -150,7 +150,7 @@ cdef class Stepper:
 
     cdef object action_codec, obs_codec, action_column, obs_column, obs_shape
     cdef bint direct_action, copy_action, direct_obs
-    cdef public bint python_actions  # the user gave a list: hand out Python values
+    cdef public bint actions_by_value  # this round's actions: a list of per-env values
     cdef int mode
 
     def __cinit__(self, object action_codec, object obs_codec, int mode):
@@ -165,10 +165,10 @@ cdef class Stepper:
 
     cdef object read_action(self, list action_views, Py_ssize_t env_id):
         cdef object action
+        if self.actions_by_value:
+            return action_views[env_id]
         if self.direct_action:
             action = action_views[0][env_id]
-            if self.python_actions:
-                return action.tolist()  # what iterating the user's list gives
             return action.copy() if self.copy_action else action
         return self.action_codec.read(action_views, env_id)
 

@@ -73,6 +73,13 @@ class Codec:
         """[main] Stores a batch of values (actions) at ``rows`` only."""
         raise NotImplementedError
 
+    def is_exact(self, value: Any) -> bool:
+        """[main] Whether the columns hold a batch exactly as given (same dtypes).
+
+        Raises TypeError for a dtype the space's cannot take (float for int).
+        """
+        return True
+
 
 class ArrayCodec(Codec):
     """Box, Discrete, MultiDiscrete and MultiBinary: one column."""
@@ -99,6 +106,17 @@ class ArrayCodec(Codec):
 
     def write_batch(self, views, value):
         self._check_and_copy(views[0], value)
+
+    def is_exact(self, value):
+        array = value if type(value) is np.ndarray else np.asarray(value)
+        if array.dtype == self.spec.dtype:
+            return type(value) is np.ndarray
+        if not np.can_cast(array.dtype, self.spec.dtype, casting="same_kind"):
+            raise TypeError(
+                f"actions{self.path} have dtype {array.dtype}, which cannot be cast "
+                f"safely to the action space's dtype {self.spec.dtype}"
+            )
+        return False
 
     def write_rows(self, views, rows, value):
         out = np.empty((len(rows), *self.spec.shape), self.spec.dtype)
@@ -206,6 +224,10 @@ class DictCodec(Codec):
     def write_rows(self, views, rows, value):
         for key, child, sub in self._split(views):
             child.write_rows(sub, rows, value[key])
+
+    def is_exact(self, value):
+        exact = [child.is_exact(value[key]) for key, child in self.children.items()]
+        return all(exact)  # every child checked: each may raise its TypeError
 
     def read(self, views, row):
         return {key: child.read(sub, row) for key, child, sub in self._split(views)}

@@ -35,7 +35,7 @@ from shmvec import _core
 from shmvec import infos as infos_columns
 from shmvec.async_api import AsyncRollouts
 from shmvec.errors import WorkerDiedError, add_note
-from shmvec.layout import make_codec
+from shmvec.layout import PickledCodec, make_codec
 from shmvec.spin import SpinPolicy, available_cpus, default_spin
 from shmvec.worker import (
     CALL,
@@ -179,6 +179,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._spin = default_spin(num_workers) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
         self._obs_codec = make_codec(self.single_observation_space, shared_memory)
         self._action_codec = make_codec(self.single_action_space)
+        self._pickled_actions = PickledCodec(self.single_action_space)
         if self.is_async and self._action_codec.pickled:
             raise ValueError(
                 f"batch_size < num_envs needs a fixed-size action space, not "
@@ -433,19 +434,20 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 str(self._state.value),
             )
         self._finish_unfinished_round()
-        if not write:
-            pass
-        elif self._action_codec.pickled:
+        # Actions that are not exactly the columns' dtype (a list, float64 for a
+        # float32 Box) reach each env as gymnasium hands them over: the element
+        # iterating the batch gives, pickled. Bit 31 of the argument says so.
+        by_value = write and (
+            self._action_codec.pickled or not self._action_codec.is_exact(actions)
+        )
+        if by_value:
             per_env = [None] * self.num_envs
-            self._action_codec.write_batch(per_env, actions)
+            self._pickled_actions.write_batch(per_env, actions)
             for index, rows in enumerate(self._env_blocks):
                 self._send(index, "actions", per_env[rows.start : rows.stop])
-        else:
+        elif write:
             self._action_codec.write_batch(self._action_views, actions)
-        # Bit 31 of the argument: actions came as a list, so each env gets the
-        # Python value iterating it gives (gymnasium passes actions by value).
-        python_actions = write and isinstance(actions, (list, tuple))
-        self._post(STEP, self._next_slot() | (python_actions << 31))
+        self._post(STEP, self._next_slot() | (by_value << 31))
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(

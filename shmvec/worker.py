@@ -341,9 +341,10 @@ class Worker:
 
     def step(self, arg: int) -> dict:
         slot = arg & 0x7FFFFFFF
-        self.stepper.python_actions = bool(arg >> 31)
+        by_value = bool(arg >> 31)  # per-env actions come pickled this round
+        self.stepper.actions_by_value = by_value
         action_views = self.action_views
-        if self.action_codec.pickled:
+        if by_value:
             action_views = [None] * self.spec.num_envs
             action_views[self.rows.start : self.rows.stop] = self._recv("actions")
         views = self.slots[slot]

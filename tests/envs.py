@@ -552,3 +552,20 @@ ENV_CASES = {
     "Blackjack-v1": lambda n: gym_fns("Blackjack-v1", n),
     "CustomSpaceEnv": lambda n: class_fns(CustomSpaceEnv, n),
 }
+
+
+class ActionRecorderEnv(gym.Env):
+    """Records the type and value of every action it receives, in ``received``."""
+
+    def __init__(self, action_space: gym.Space) -> None:
+        self.action_space = action_space
+        self.observation_space = gym.spaces.Box(0, 1, (1,), np.float32)
+        self.received: list[tuple[str, str]] = []
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.received.append((type(action).__name__, repr(action)))
+        return np.zeros(1, np.float32), 0.0, False, False, {}

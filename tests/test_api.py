@@ -715,7 +715,8 @@ def test_call_wait_and_reset_wait_timeout():
         pytest.param(np.zeros(3, dtype=np.int64), ValueError, id="too-few"),
         pytest.param(np.zeros(5, dtype=np.int64), ValueError, id="too-many"),
         pytest.param(np.zeros((4, 1), dtype=np.int64), ValueError, id="extra-dim"),
-        pytest.param(1, ValueError, id="scalar"),
+        # gymnasium: TypeError("Unable to iterate over the following elements: 1")
+        pytest.param(1, TypeError, id="scalar"),
         pytest.param(np.full(4, 0.5), TypeError, id="float-for-discrete"),
         pytest.param(["a", "b", "c", "d"], TypeError, id="strings"),
     ],
@@ -1062,3 +1063,27 @@ def test_discrete_observation_space_batched_like_sync():
         assert envs.single_observation_space == Discrete(16)
     finally:
         envs.close()
+
+
+@pytest.mark.parametrize(
+    "space,actions",
+    [
+        pytest.param(gym.spaces.Box(0, 1, (), np.float32), np.array([0.25, 0.5]), id="f64-to-f32"),
+        pytest.param(gym.spaces.Discrete(3), [0, 2], id="list"),
+        pytest.param(gym.spaces.Box(0, 1, (2,), np.float32), [[0.5, 0.25], [1.0, 0.0]], id="lists"),
+    ],
+)
+def test_actions_reach_envs_by_value_as_in_gymnasium(space, actions):
+    """Contract item 31: each env gets the element iterating the batch gives."""
+    fns = [lambda: test_envs.ActionRecorderEnv(space)] * 2
+    shm = ShmVectorEnv(fns, num_workers=2)
+    reference = gym.vector.AsyncVectorEnv(fns)
+    try:
+        shm.reset(seed=0)
+        reference.reset(seed=0)
+        shm.step(actions)
+        reference.step(actions)
+        assert shm.get_attr("received") == reference.get_attr("received")
+    finally:
+        shm.close()
+        reference.close()
