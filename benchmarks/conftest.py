@@ -31,10 +31,13 @@ class Throughput:
     #: Median round time, seconds.
     median_round_s: float
     extra_info: dict = field(repr=False)
+    #: Env steps per batched step: num_envs, or the batch of an async backend.
+    steps_per_call: int = 0
 
     @property
     def steps_per_s(self) -> float:
-        return self.num_envs * self.steps_per_round / self.median_round_s
+        per_call = self.steps_per_call or self.num_envs
+        return per_call * self.steps_per_round / self.median_round_s
 
     @property
     def step_us(self) -> float:
@@ -88,6 +91,7 @@ def throughput(benchmark, request) -> Callable[..., Throughput | None]:
             benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=1, iterations=1)
             num_workers = stepper.num_workers
             num_envs = stepper.num_envs
+            per_call = stepper.steps_per_call or num_envs
         if benchmark.stats is None:
             return None
         result = Throughput(
@@ -98,6 +102,7 @@ def throughput(benchmark, request) -> Callable[..., Throughput | None]:
             steps_per_round=steps,
             median_round_s=benchmark.stats.stats.median,
             extra_info=benchmark.extra_info,
+            steps_per_call=per_call,
         )
         benchmark.extra_info.update(
             workload=workload,

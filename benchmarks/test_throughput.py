@@ -12,6 +12,10 @@ Groups (one per workload and size) and what each answers:
 - ``noop-1env``: a step that does nothing: the round trip (``step_us``).
 - ``largeobs-8envs``: 1 MiB observations: shmvec's zero-copy views against
   AsyncVectorEnv (``async`` copies; ``async-nocopy`` is its copy=False peer).
+- ``varstep-16envs``: steps that burn 1-20 x 9.5 us at random: the async
+  engine (``batch_size=8``, recv/send) against shmvec's sync mode.
+- ``cartpole-async-16envs``: shmvec's async engine beside EnvPool's, same
+  batch (skipped without EnvPool).
 
 A round is a fixed number of batched steps, so every backend of a group does
 the same work; the times in pytest-benchmark's table are per round. The
@@ -52,3 +56,20 @@ def test_noop_round_trip(throughput, backend):
 @pytest.mark.parametrize("backend", ["shmvec-nocopy", "async", "async-nocopy"])
 def test_largeobs_8_envs(throughput, backend):
     throughput("largeobs", backend, num_envs=8, steps=50, rounds=ROUNDS)
+
+
+@pytest.mark.benchmark(group="varstep-16envs")
+@pytest.mark.parametrize("backend", ["shmvec-async", "shmvec", "sync"])
+def test_varstep_async_vs_sync(throughput, backend):
+    # shmvec-async makes 8 env steps a call, the others 16: equal work per round.
+    steps = 100 if backend == "shmvec-async" else 50
+    throughput("varstep", backend, num_envs=16, steps=steps, rounds=ROUNDS)
+
+
+@pytest.mark.benchmark(group="cartpole-async-16envs")
+@pytest.mark.parametrize("backend", ["shmvec-async", "envpool-async", "shmvec", "envpool"])
+def test_cartpole_async_vs_envpool(throughput, backend):
+    if backend.startswith("envpool"):
+        pytest.importorskip("envpool")
+    steps = 400 if backend.endswith("async") else 200
+    throughput("cartpole", backend, num_envs=16, steps=steps, rounds=ROUNDS)
