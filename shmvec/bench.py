@@ -161,6 +161,21 @@ def make_varstep() -> gym.Env:
     return VariableStep(gym.make("CartPole-v1"))
 
 
+def make_pong() -> gym.Env:
+    """ALE Pong with gymnasium's Atari preprocessing (84x84 gray, frame skip 4) and
+    a stack of 4 frames: what Atari PPO steps. Needs ``shmvec[atari]``."""
+    import ale_py
+    import cv2
+    from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
+
+    # One thread per env, as EnvPool's C++ preprocessing: OpenCV's own pool
+    # would have every process's resize fight for all the cores.
+    cv2.setNumThreads(1)
+    gym.register_envs(ale_py)
+    env = gym.make("ALE/Pong-v5", frameskip=1)
+    return FrameStackObservation(AtariPreprocessing(env, frame_skip=4), 4)
+
+
 #: Workload name -> env factory (a module-level function, so workloads pickle by name).
 WORKLOADS: dict[str, Callable[[], gym.Env]] = {
     "cartpole": make_cartpole,
@@ -168,9 +183,10 @@ WORKLOADS: dict[str, Callable[[], gym.Env]] = {
     "varstep": make_varstep,
     "noop": make_noop,
     "largeobs": make_largeobs,
+    "pong": make_pong,
 }
 #: EnvPool's task for a workload, where it has one.
-ENVPOOL_TASKS = {"cartpole": "CartPole-v1"}
+ENVPOOL_TASKS = {"cartpole": "CartPole-v1", "pong": "Pong-v5"}
 
 # ---------------------------------------------------------------------- backends
 
