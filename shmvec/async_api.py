@@ -31,8 +31,6 @@ also runs in sync mode.
 
 from __future__ import annotations
 
-import multiprocessing
-import time
 from typing import Any
 
 import numpy as np
@@ -238,24 +236,14 @@ class AsyncRollouts:
         return result
 
     def _wait_slot(self, slot: int, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waited = time.perf_counter()
-        try:
-            while True:
-                budget = self._liveness_check_s
-                if deadline is not None:
-                    budget = min(budget, max(deadline - time.monotonic(), 0.0))
-                if self._ring.wait_full(slot, self._spin.main_ns, int(budget * 1e9)):
-                    return
-                for index in range(self.num_workers):
-                    self._check_alive(index)
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise multiprocessing.TimeoutError(
-                        f"The call to `recv` has timed out after {timeout} second(s): "
-                        f"{self._ring.filled(slot)} of {self.batch_size} results arrived."
-                    )
-        finally:
-            self._stats_wait_s += time.perf_counter() - waited
+        self._wait_for(
+            lambda spin_ns, budget_ns: self._ring.wait_full(slot, spin_ns, budget_ns),
+            timeout,
+            lambda: (
+                f"The call to `recv` has timed out after {timeout} second(s): "
+                f"{self._ring.filled(slot)} of {self.batch_size} results arrived."
+            ),
+        )
 
     def _row_messages(self, slot: int, views, env_ids: np.ndarray) -> dict[int, dict]:
         """The pickled messages of the rows that have one, by row."""

@@ -185,7 +185,6 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 f"batch_size < num_envs needs a fixed-size action space, not "
                 f"{self.single_action_space}"
             )
-        self._liveness_check_s = LIVENESS_CHECK_S
         self._stats_wait_s = 0.0
         self._stats_steps = 0
         self._stats_episodes = 0
@@ -687,26 +686,33 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _wait_done(self, timeout: float | None, name: str) -> None:
         """Waits for every worker to arrive; raises on timeout or a worker's death."""
+        self._wait_for(
+            self._barrier.wait_done,
+            timeout,
+            lambda: f"The call to `{name}` has timed out after {timeout} second(s).",
+        )
+
+    def _wait_for(
+        self, ready: Callable[[int, int], bool], timeout: float | None, why: Callable[[], str]
+    ) -> None:
+        """Calls ``ready(spin_ns, budget_ns)`` (a futex wait) until it returns True,
+        checking between calls that every worker lives; ``multiprocessing.TimeoutError``
+        with ``why()`` after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         waited = time.perf_counter()
         try:
-            self._wait_done_until(timeout, name)
+            while True:
+                budget = LIVENESS_CHECK_S
+                if deadline is not None:
+                    budget = min(budget, max(deadline - time.monotonic(), 0.0))
+                if ready(self._spin.main_ns, int(budget * 1e9)):
+                    return
+                for index in range(self.num_workers):
+                    self._check_alive(index)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise multiprocessing.TimeoutError(why())
         finally:
             self._stats_wait_s += time.perf_counter() - waited
-
-    def _wait_done_until(self, timeout: float | None, name: str) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            budget = LIVENESS_CHECK_S
-            if deadline is not None:
-                budget = min(budget, max(deadline - time.monotonic(), 0.0))
-            if self._barrier.wait_done(self._spin.main_ns, int(budget * 1e9)):
-                return
-            for index in range(self.num_workers):
-                self._check_alive(index)
-            if deadline is not None and time.monotonic() >= deadline:
-                raise multiprocessing.TimeoutError(
-                    f"The call to `{name}` has timed out after {timeout} second(s)."
-                )
 
     def _finish_round(self, timeout: float | None, name: str) -> dict[int, dict]:
         """Ends the pending round: waits, reads messages, re-raises env errors."""
