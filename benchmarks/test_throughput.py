@@ -16,6 +16,8 @@ Groups (one per workload and size) and what each answers:
   engine (``batch_size=8``, recv/send) against shmvec's sync mode.
 - ``cartpole-async-16envs``: shmvec's async engine beside EnvPool's, same
   batch (skipped without EnvPool).
+- ``sb3-cartpole-16envs``: shmvec behind SB3's VecEnv API (``shmvec.sb3``)
+  against SB3's SubprocVecEnv (skipped without stable-baselines3).
 
 A round is a fixed number of batched steps, so every backend of a group does
 the same work; the times in pytest-benchmark's table are per round. The
@@ -73,3 +75,10 @@ def test_cartpole_async_vs_envpool(throughput, backend):
         pytest.importorskip("envpool")
     steps = 400 if backend.endswith("async") else 200
     throughput("cartpole", backend, num_envs=16, steps=steps, rounds=ROUNDS)
+
+
+@pytest.mark.benchmark(group="sb3-cartpole-16envs")
+@pytest.mark.parametrize("backend", ["shmvec-sb3", "sb3"])
+def test_sb3_adapter_vs_subproc(throughput, backend):
+    pytest.importorskip("stable_baselines3")
+    throughput("cartpole", backend, num_envs=16, steps=100, rounds=ROUNDS)

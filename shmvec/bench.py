@@ -193,8 +193,8 @@ ENVPOOL_TASKS = {"cartpole": "CartPole-v1", "pong": "Pong-v5"}
 #: Every backend this module can time. ``async-nocopy`` (AsyncVectorEnv with
 #: copy=False) is not in the default set; it is the fair peer of ``shmvec-nocopy``.
 BACKENDS = (
-    "shmvec", "shmvec-nocopy", "shmvec-async", "sync", "async", "async-nocopy", "sb3",
-    "envpool", "envpool-async", "single",
+    "shmvec", "shmvec-nocopy", "shmvec-async", "shmvec-sb3", "sync", "async",
+    "async-nocopy", "sb3", "envpool", "envpool-async", "single",
 )  # fmt: skip
 DEFAULT_BACKENDS = ("shmvec", "shmvec-nocopy", "sync", "async", "sb3", "single")
 #: Batches of random actions drawn before timing, then replayed in a cycle.
@@ -256,6 +256,29 @@ def _single_stepper(factory: Callable[[], gym.Env], seed: int) -> Stepper:
             env.reset()
 
     return Stepper(step, actions, 1, 0, lambda terminate: env.close())
+
+
+def _sb3_adapter_stepper(
+    factory: Callable[[], gym.Env], num_envs: int, num_workers: int | None, seed: int
+) -> Stepper:
+    """shmvec behind SB3's VecEnv API (``shmvec.sb3.ShmSB3VecEnv``): SB3's infos,
+    ``terminal_observation`` and all, as SB3 training sees it."""
+    from shmvec.sb3 import ShmSB3VecEnv
+
+    workers = None if num_workers is None else min(num_workers, num_envs)
+    env = ShmSB3VecEnv([factory] * num_envs, num_workers=workers)
+    try:
+        env.seed(seed)
+        env.reset()
+        space = env.action_space
+        space.seed(seed)
+        actions = [
+            np.stack([space.sample() for _ in range(num_envs)]) for _ in range(NUM_ACTION_BATCHES)
+        ]
+    except BaseException:
+        env.close()
+        raise
+    return Stepper(env.step, actions, num_envs, env.shm_env.num_workers, lambda t: env.close())
 
 
 def _sb3_stepper(
@@ -390,6 +413,8 @@ def open_backend(
         return _vector_stepper(env, num_envs, seed)
     if backend == "sb3":
         return _sb3_stepper(factory, num_envs, context, seed)
+    if backend == "shmvec-sb3":
+        return _sb3_adapter_stepper(factory, num_envs, num_workers, seed)
     if backend == "single":
         return _single_stepper(factory, seed)
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
@@ -795,10 +820,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     backends = list(args.backends)
     for name, module in (("sb3", "stable_baselines3"), ("envpool", "envpool")):
         if importlib.util.find_spec(module) is None:
-            skipped = [b for b in backends if b.startswith(name)]
+            skipped = [b for b in backends if name in b]
             if skipped:
                 print(f"note: {module} is not installed; skipping {skipped}", file=sys.stderr)
-            backends = [b for b in backends if not b.startswith(name)]
+            backends = [b for b in backends if name not in b]
     if args.quick:
         pairs = list(QUICK_CASES)
     else:
