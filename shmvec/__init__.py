@@ -4,9 +4,15 @@
 ``make_vec`` is ``gymnasium.make_vec`` building one.
 """
 
+import logging
+
 from shmvec.errors import WorkerDiedError
 from shmvec.registration import make_mix, make_vec
 from shmvec.vector_env import ShmVectorEnv
 
 __all__ = ["ShmVectorEnv", "WorkerDiedError", "make_mix", "make_vec"]
 __version__ = "0.1.0"
+
+# Silent unless the application configures logging ("shmvec" logger: worker start and
+# exit at INFO, deaths at ERROR, per-worker timing at DEBUG).
+logging.getLogger("shmvec").addHandler(logging.NullHandler())

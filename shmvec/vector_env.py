@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import pickle
@@ -25,7 +26,7 @@ from typing import Any
 import cloudpickle
 import gymnasium as gym
 import numpy as np
-from gymnasium import logger
+from gymnasium import logger as gym_logger
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_differing_spaces, batch_space
@@ -54,6 +55,8 @@ _AUTORESET_CODES = {
     AutoresetMode.SAME_STEP: 1,
     AutoresetMode.DISABLED: 2,
 }
+
+logger = logging.getLogger("shmvec")
 
 #: The main process checks that its workers are alive this often while it waits.
 LIVENESS_CHECK_S = 0.1
@@ -281,6 +284,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 daemon=self.daemon,
             )
             process.start()
+            logger.info(
+                "started worker %d (pid %d, %s) for envs %d..%d",
+                index, process.pid, ctx.get_start_method(), rows.start, rows.stop - 1,
+            )  # fmt: skip
             child_end.close()
             self._workers.append(process)
             self._pipes.append(parent_end)
@@ -556,7 +563,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
     def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
         """Closes the envs and stops the workers (SIGKILL after a grace period)."""
         if self._state != AsyncState.DEFAULT:
-            logger.warn(
+            gym_logger.warn(
                 f"Calling `close` while waiting for a pending call to `{self._state.value}` "
                 "to complete."
             )
@@ -576,7 +583,16 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 pass
             finally:
                 self._state = AsyncState.DEFAULT
+        if logger.isEnabledFor(logging.DEBUG):
+            stats = self.stats()
+            logger.debug(
+                "closing: %d steps, %.0f steps/s, main waited %.0f%%, workers busy %s",
+                stats["steps"], stats["steps_per_s"], 100 * stats["main_wait_fraction"],
+                ", ".join(f"{100 * f:.0f}%" for f in stats["worker_busy_fraction"]),
+            )  # fmt: skip
         self._terminate_workers(grace_s=0.0 if terminate else CLOSE_GRACE_S)
+        for index, process in enumerate(self._workers):
+            logger.info("worker %d (pid %d) exited with %s", index, process.pid, process.exitcode)
         self._release()
 
     def __enter__(self) -> ShmVectorEnv:
@@ -656,7 +672,9 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
     def _check_alive(self, index: int) -> None:
         process = self._workers[index]
         if process.exitcode is not None:
-            raise WorkerDiedError(index, self._env_blocks[index], process.exitcode, process.pid)
+            error = WorkerDiedError(index, self._env_blocks[index], process.exitcode, process.pid)
+            logger.error("%s", error)
+            raise error
 
     def _remote_error(self, errors: list) -> BaseException:
         return _remote_error(errors, self._env_blocks)

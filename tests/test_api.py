@@ -1087,3 +1087,21 @@ def test_actions_reach_envs_by_value_as_in_gymnasium(space, actions):
     finally:
         shm.close()
         reference.close()
+
+
+def test_logger_reports_worker_start_and_exit(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="shmvec"):
+        envs = ShmVectorEnv(test_envs.gym_fns("CartPole-v1", 4), num_workers=2)
+        envs.close()
+    messages = [r.getMessage() for r in caplog.records if r.name == "shmvec"]
+    assert any(m.startswith("started worker 0 (pid") and "envs 0..1" in m for m in messages)
+    assert any(m.startswith("started worker 1 (pid") and "envs 2..3" in m for m in messages)
+    assert sum("exited with 0" in m for m in messages) == 2
+
+
+def test_logger_is_silent_by_default():
+    import logging
+
+    assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("shmvec").handlers)
