@@ -591,6 +591,8 @@ class Case:
     workload: str
     backend: str
     num_envs: int
+    #: shmvec's worker processes (None: its default; other backends ignore it).
+    num_workers: int | None = None
 
 
 #: ``--quick``: (workload, num_envs) pairs, each against these backends.
@@ -598,20 +600,27 @@ QUICK_CASES = (("cartpole", 32), ("cpu100us", 8), ("noop", 1))
 QUICK_BACKENDS = ("shmvec", "sync", "async", "single")
 
 
-def plan_cases(pairs: Sequence[tuple[str, int]], backends: Sequence[str]) -> list[Case]:
-    """Every backend for every (workload, num_envs); ``single`` once per workload."""
+def plan_cases(
+    pairs: Sequence[tuple[str, int]],
+    backends: Sequence[str],
+    worker_counts: Sequence[int | None] = (None,),
+) -> list[Case]:
+    """Every backend for every (workload, num_envs); shmvec backends once per worker
+    count (capped at num_envs); ``single`` once per workload."""
     cases: list[Case] = []
     for workload, num_envs in pairs:
         for backend in backends:
             if backend == "single":
-                num_envs_here = 1
-                if Case(workload, backend, 1) in cases:
-                    continue
+                if Case(workload, backend, 1) not in cases:
+                    cases.append(Case(workload, backend, 1))
             elif backend.startswith("envpool") and workload not in ENVPOOL_TASKS:
                 continue
+            elif backend.startswith("shmvec"):
+                counts = {None if w is None else min(w, num_envs) for w in worker_counts}
+                for workers in sorted(counts, key=lambda w: -1 if w is None else w):
+                    cases.append(Case(workload, backend, num_envs, workers))
             else:
-                num_envs_here = num_envs
-            cases.append(Case(workload, backend, num_envs_here))
+                cases.append(Case(workload, backend, num_envs))
     return cases
 
 
@@ -677,11 +686,19 @@ def write_plot(
         ax.set_visible(False)
     for ax, workload in zip(axes.flat, workloads):
         rows = [m for m in ok if m.workload == workload]
-        for backend in dict.fromkeys(m.backend for m in rows):
-            if backend == "single":
+        # With a --num-workers sweep a backend has several rows per num_envs: a line each.
+        sweep = len({(m.backend, m.num_envs) for m in rows}) < len(rows)
+
+        def line(m: Measurement, sweep: bool = sweep) -> str:
+            if sweep and m.backend.startswith("shmvec"):
+                return f"{m.backend} ({m.num_workers} workers)"
+            return m.backend
+
+        for label in dict.fromkeys(line(m) for m in rows):
+            if label == "single":
                 continue
-            points = sorted((m.num_envs, m.steps_per_s) for m in rows if m.backend == backend)
-            ax.plot(*zip(*points), marker="o", label=backend)
+            points = sorted((m.num_envs, m.steps_per_s) for m in rows if line(m) == label)
+            ax.plot(*zip(*points), marker="o", label=label)
         single = next((m.steps_per_s for m in rows if m.backend == "single"), None)
         if single:
             ax.axhline(single, color="gray", linestyle="--", label="single env")
@@ -786,8 +803,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--num-envs", nargs="+", type=int, default=[1, 4, 16, 64], help="a sweep of num_envs"
     )
     parser.add_argument(
-        "--num-workers", type=int, default=None, help="shmvec workers (default: its own)"
-    )
+        "--num-workers", type=int, nargs="+", default=[None],
+        help="shmvec workers, a sweep (default: its own, min(num_envs, cores))",
+    )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=1.0, help="timed window per measurement")
     parser.add_argument("--warmup", type=float, default=0.25, help="warm-up seconds before it")
     parser.add_argument(
@@ -828,7 +846,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pairs = list(QUICK_CASES)
     else:
         pairs = [(w, n) for w in args.workloads for n in args.num_envs]
-    cases = plan_cases(pairs, backends)
+    cases = plan_cases(pairs, backends, args.num_workers)
 
     load_before = warn_if_busy(cores)
     started = time.perf_counter()
@@ -839,7 +857,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress.start(case)
             m = measure(
                 case.workload, case.backend, case.num_envs,
-                seconds=args.seconds, warmup_s=args.warmup, num_workers=args.num_workers,
+                seconds=args.seconds, warmup_s=args.warmup, num_workers=case.num_workers,
                 context=args.context, timeout_s=args.timeout,
             )  # fmt: skip
             measurements.append(m)
