@@ -195,6 +195,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._state = AsyncState.DEFAULT
         self._unfinished_round = False
         self._info_schemas: list[dict] = [{} for _ in range(self.num_workers)]
+        self._pickled_obs: list | None = None  # last obs of each env, pickled spaces
         self._slot = 0
         self._workers: list = []
         self._pipes: list = []
@@ -794,7 +795,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _read_obs(self, messages: dict[int, dict]) -> Any:
         if self._obs_codec.pickled:
-            values = getattr(self, "_pickled_obs", None) or [None] * self.num_envs
+            values = self._pickled_obs or [None] * self.num_envs
             for message in messages.values():
                 for row, value in message.get("obs", {}).items():
                     values[row] = value

@@ -94,18 +94,17 @@ def _safe_exception(exc: BaseException) -> BaseException:
 
 
 def _send(pipe, message: dict) -> None:
+    """Sends ``message``; one that cannot be pickled becomes an error for its envs."""
     try:
-        pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception as exc:  # noqa: BLE001 - unpicklable info or result
-        errors = [
-            (
-                row,
-                RuntimeError(f"cannot send the result to the main process: {exc!r}"),
-                traceback.format_exc(),
-            )
-            for row in message.get("rows", [-1])
-        ]
-        pipe.send_bytes(pickle.dumps({"errors": errors}))
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable info, obs or call result
+        error = RuntimeError(f"a result cannot be sent to the main process: {exc!r}")
+        rows = [row for row, _ in message.get("infos", ())] or [-1]
+        replacement = {"errors": [(row, error, traceback.format_exc()) for row in rows]}
+        if "row" in message:  # async mode: the main process reads it for that ring row
+            replacement["row"] = message["row"]
+        data = pickle.dumps(replacement)
+    pipe.send_bytes(data)
 
 
 def _watch_main(pid: int) -> None:

@@ -346,3 +346,21 @@ def test_call_set_attr_and_close_while_envs_run(async_envs):
     envs.send(np.zeros(2, dtype=np.int64), infos["env_id"])
     obs, *_ = envs.recv()
     assert obs.shape == (2, 4)
+
+
+class UnpicklableInfo(gym.Wrapper):
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward, terminated, truncated, {"lock": __import__("threading").Lock()}
+
+
+def test_unpicklable_info_is_an_error_not_a_hang():
+    envs = shmvec.ShmVectorEnv(
+        [lambda: UnpicklableInfo(gym.make("CartPole-v1"))] * 4, num_workers=2, batch_size=2
+    )
+    envs.async_reset(seed=0)
+    with pytest.raises(RuntimeError, match="cannot be sent to the main process"):
+        for _ in range(3):  # two batches of reset results, then step results
+            *_, infos = envs.recv(timeout=30)
+            envs.send(np.zeros(2, dtype=np.int64), infos["env_id"])
+    envs.close()
