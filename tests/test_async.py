@@ -301,18 +301,24 @@ def test_stats_count_steps_episodes_and_busy_time(async_envs):
     envs.async_reset(seed=0)
     results = 0
     episodes = 0
-    for _ in range(200):
+    per_env = np.zeros(4, dtype=int)
+    # Until every env (so both workers) has given results: one worker alone could fill
+    # every batch, and an idle worker rightly reports no busy time.
+    for _ in range(2000):
         obs, rewards, terminations, truncations, infos = envs.recv()
         results += len(rewards)
         episodes += int(np.count_nonzero(terminations | truncations))
+        per_env[infos["env_id"]] += 1
         envs.send(np.zeros(2, dtype=np.int64), infos["env_id"])
+        if results >= 400 and per_env.min() >= 20:
+            break
+    assert per_env.min() >= 20, per_env
     stats = envs.stats()
     assert stats["steps"] == results and stats["episodes"] == episodes > 0
     assert stats["steps_per_s"] > 0
     assert 0 < stats["main_wait_fraction"] < 1
     assert len(stats["worker_busy_fraction"]) == 2
-    busy_ns = envs._layout.worker_busy_ns(memoryview(envs._segment))
-    assert all(0 < f < 1 for f in stats["worker_busy_fraction"]), (stats, busy_ns)
+    assert all(0 < f < 1 for f in stats["worker_busy_fraction"]), stats
 
 
 def test_trajectories_do_not_depend_on_batch_size():

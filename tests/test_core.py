@@ -484,3 +484,76 @@ def test_barrier_offset_is_checked():
     with pytest.raises(ValueError):
         _core.StepBarrier(seg, BARRIER + 4, 1)  # misaligned
     assert _core.StepBarrier.nbytes == 6 * 64
+
+
+# ---------------------------------------------------------- doorbell and ring
+
+PING_OFFSET, PONG_OFFSET, RING_OFFSET = 64, 192, 320
+
+
+def _ping_pong_child(rounds: int, timeout_ns: int) -> int:
+    """Waits on the ping doorbell, answers on the pong one; counts timeouts."""
+    segment = _core.Segment.attach(_ping_pong_child.fd)
+    ping = _core.Doorbell(segment, PING_OFFSET)
+    pong = _core.Doorbell(segment, PONG_OFFSET)
+    seen, timeouts = 0, 0
+    while seen < rounds:
+        got = ping.wait(seen, 0, timeout_ns)  # no spin: every wait sleeps on the futex
+        if got is None:
+            timeouts += 1
+            continue
+        seen = got
+        pong.ring()
+    return timeouts
+
+
+def test_doorbell_never_loses_a_wakeup_across_processes():
+    """Thousands of sleep/wake hand-offs: a lost wake-up shows as a timed-out wait."""
+    rounds, timeout_ns = 3000, 2_000_000_000
+    segment = _core.Segment.create(4096)
+    ping = _core.Doorbell(segment, PING_OFFSET)
+    pong = _core.Doorbell(segment, PONG_OFFSET)
+    _ping_pong_child.fd = segment.fd
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        child = pool.apply_async(_ping_pong_child, (rounds, timeout_ns))
+        answered, timeouts = 0, 0
+        for _ in range(rounds):
+            ping.ring()
+            got = pong.wait(answered, 0, timeout_ns)
+            if got is None:
+                timeouts += 1
+                got = pong.wait(answered, 0, -1)
+            answered = got
+        assert child.get(timeout=60) == 0
+    assert timeouts == 0 and answered == rounds
+
+
+def _publish_rows(fd: int, rows: int, num_slots: int, batch: int) -> None:
+    segment = _core.Segment.attach(fd)
+    ring = _core.ResultRing(segment, RING_OFFSET, num_slots, batch)
+    for _ in range(rows):
+        slot, _row = ring.claim()
+        ring.publish(slot)
+
+
+def test_result_ring_fills_each_slot_exactly_once_under_contention():
+    """Workers claim rows concurrently; each slot fills with batch rows and wakes main."""
+    num_slots, batch, workers, per_worker = 3, 4, 3, 4  # 12 rows: one lap of the ring
+    segment = _core.Segment.create(4096)
+    ring = _core.ResultRing(segment, RING_OFFSET, num_slots, batch)
+    ctx = multiprocessing.get_context("fork")
+    procs = [
+        ctx.Process(target=_publish_rows, args=(segment.fd, per_worker, num_slots, batch))
+        for _ in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    for slot in range(num_slots):
+        assert ring.wait_full(slot, 0, 10_000_000_000), f"slot {slot} never filled"
+        assert ring.filled(slot) == batch
+        ring.release(slot)
+        assert ring.filled(slot) == 0
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    assert ring.wait_full(0, 0, 1_000_000) is False  # nothing more was published
