@@ -159,6 +159,9 @@ class AsyncRollouts:
     def _start_envs(self, env_ids: np.ndarray, command: int) -> None:
         self._env_commands[env_ids] = command
         self._awaiting[env_ids] = False
+        if self.in_process:
+            self._workers[0].poll(async_mode=True)
+            return
         workers = np.bincount(self._env_worker[env_ids], minlength=self.num_workers)
         for index in np.flatnonzero(workers).tolist():
             self._doorbells[index].ring()

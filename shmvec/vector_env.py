@@ -44,6 +44,8 @@ from shmvec.worker import (
     RESET,
     SET_ATTR,
     STEP,
+    InProcessWorker,
+    LoopbackPipe,
     SegmentFd,
     WorkerSpec,
     make_layout,
@@ -95,7 +97,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         max_concurrency: at most this many envs inside ``reset``/``step`` at once;
             shmvec honours it by running at most that many workers (each worker
             steps its envs one after another).
-        num_workers: worker processes; default ``min(num_envs, cpus)``.
+        num_workers: worker processes; default ``min(num_envs, cpus)``. ``0`` runs
+            every env in the main process (``in_process``), through the same code
+            and with the same results: the debugging mode, where a breakpoint
+            inside ``env.step`` just works.
         batch_size: with ``batch_size < num_envs``, the async engine: use
             ``async_reset``/``send``/``recv`` (see shmvec/async_api.py).
         group_size: envs ``g*k .. g*k+g-1`` form group ``k``: ``reset(seed=s)``
@@ -160,11 +165,13 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             num_workers = min(self.num_envs, available_cpus())
         if self.max_concurrency is not None:
             num_workers = min(num_workers, self.max_concurrency)
-        if not 1 <= num_workers <= self.num_envs:
+        if not 0 <= num_workers <= self.num_envs:
             raise ValueError(
-                f"num_workers must be between 1 and num_envs={self.num_envs}, got {num_workers}"
+                f"num_workers must be between 0 and num_envs={self.num_envs}, got {num_workers}"
             )
-        self.num_workers = num_workers
+        # num_workers=0: one worker, run in this process (see InProcessWorker).
+        self.in_process = num_workers == 0
+        self.num_workers = max(num_workers, 1)
         self._env_blocks = _split_blocks(self.num_envs, self.num_workers)
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
         if not 1 <= self.batch_size <= self.num_envs:
@@ -271,6 +278,14 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         )
 
     def _spawn_workers(self, env_fns: list) -> None:
+        if self.in_process:
+            main_end, worker_end = LoopbackPipe.pair()
+            spec = self._worker_spec(0, 0, env_fns)
+            self._workers.append(InProcessWorker(spec, self._segment, worker_end))
+            self._pipes.append(main_end)
+            self._stashed.append((deque(), deque()))
+            logger.info("running envs 0..%d in the main process", self.num_envs - 1)
+            return
         ctx = multiprocessing.get_context(self.context)
         forked = ctx.get_start_method() == "fork"
         for index, rows in enumerate(self._env_blocks):
@@ -626,7 +641,9 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
     def _post(self, kind: int, arg: int = 0) -> None:
         """Starts a barrier round; async-mode workers sleep on their doorbells."""
         self._barrier.post(kind, arg)
-        if self.is_async:
+        if self.in_process:
+            self._workers[0].poll(self.is_async)
+        elif self.is_async:
             for bell in self._doorbells:
                 bell.ring()
 

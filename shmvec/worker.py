@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,24 +272,33 @@ class Worker:
                 continue
             rings = seen
             started = time.perf_counter_ns()
-            generation = self.barrier.generation_now()
-            if generation != self.generation:
-                if not self._run_command(self.barrier.wait_command(self.generation, 0, 0)):
-                    return
-            _worker_loop.step_pending(
-                self.stepper,
-                self.ring,
-                self.envs,
-                self.rows.start,
-                self.commands,
-                self._take_reset_args,
-                self.action_views,
-                self.slots,
-                self.info_columns,
-                self.autoreset,
-                lambda message: _send(self.pipe, message),
-            )
+            if not self.poll_async():
+                return
             self.busy_ns[0] += time.perf_counter_ns() - started
+
+    def poll_sync(self) -> bool:
+        """Runs the barrier command just posted; False once the worker must exit."""
+        return self._run_command(self.barrier.wait_command(self.generation, 0, 0))
+
+    def poll_async(self) -> bool:
+        """Runs a barrier command if one was posted, then every env that has a
+        command; False once the worker must exit."""
+        if self.barrier.generation_now() != self.generation and not self.poll_sync():
+            return False
+        _worker_loop.step_pending(
+            self.stepper,
+            self.ring,
+            self.envs,
+            self.rows.start,
+            self.commands,
+            self._take_reset_args,
+            self.action_views,
+            self.slots,
+            self.info_columns,
+            self.autoreset,
+            lambda message: _send(self.pipe, message),
+        )
+        return True
 
     def _take_reset_args(self, env_id: int) -> tuple:
         """(seed, options) of env_id's reset; the main sent them before the command."""
@@ -439,3 +449,59 @@ def make_layout(spec: WorkerSpec) -> SegmentLayout:
             _core.Doorbell.nbytes,
         ),
     )
+
+
+class LoopbackPipe:
+    """One end of an in-process pipe: what is sent lands in the other end's inbox."""
+
+    def __init__(self, inbox: deque, outbox: deque) -> None:
+        self.inbox, self.outbox = inbox, outbox
+
+    @classmethod
+    def pair(cls) -> tuple[LoopbackPipe, LoopbackPipe]:
+        a, b = deque(), deque()
+        return cls(a, b), cls(b, a)
+
+    def send_bytes(self, data: bytes) -> None:
+        self.outbox.append(bytes(data))
+
+    def recv_bytes(self) -> bytes:
+        return self.inbox.popleft()  # the peer always sends before it asks
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        return bool(self.inbox)
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessWorker:
+    """``num_workers=0``: the worker runs in the main process, stepping its envs
+    synchronously when the main process posts a command. It stands in for the
+    ``multiprocessing.Process`` (``pid``, ``exitcode``, ``join``...), so the
+    main process's code is the same, and a breakpoint inside ``env.step`` works.
+    """
+
+    def __init__(self, spec: WorkerSpec, segment, pipe: LoopbackPipe) -> None:
+        self.pid = os.getpid()
+        self.exitcode: int | None = None
+        self.worker = Worker(spec, segment, pipe, _make_envs(spec))
+        pipe.send_bytes(pickle.dumps({"ready": self.pid}))
+
+    def poll(self, async_mode: bool) -> None:
+        """Does whatever the main process just asked for."""
+        if self.exitcode is None:
+            alive = self.worker.poll_async() if async_mode else self.worker.poll_sync()
+            if not alive:
+                self.exitcode = 0
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def terminate(self) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        if self.exitcode is None:
+            self.worker.close()
+            self.exitcode = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import multiprocessing
+import os
 import re
 
 import envs as test_envs
@@ -175,9 +176,10 @@ def test_custom_worker_is_rejected():
         cartpole(2, worker=worker)
 
 
-@pytest.mark.parametrize("num_workers", [0, 5, -1])
+# 0 is valid: every env in the main process (test_num_workers_0_*).
+@pytest.mark.parametrize("num_workers", [5, -1])
 def test_num_workers_out_of_range(num_workers):
-    with pytest.raises(ValueError, match="num_workers"):
+    with pytest.raises(ValueError, match="num_workers must be between 0 and num_envs=4"):
         cartpole(4, num_workers=num_workers)
 
 
@@ -1105,3 +1107,51 @@ def test_logger_is_silent_by_default():
     import logging
 
     assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("shmvec").handlers)
+
+
+class PidRecorder(gym.Wrapper):
+    """Puts the pid of the process that stepped the env into the info."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward, terminated, truncated, {**info, "pid": os.getpid()}
+
+
+@pytest.mark.parametrize("mode", ["NextStep", "SameStep", "Disabled"])
+def test_num_workers_0_runs_in_process_with_sync_results(mode):
+    fns = [lambda: PidRecorder(gym.make("CartPole-v1"))] * 3
+    envs = ShmVectorEnv(fns, num_workers=0, autoreset_mode=mode)
+    sync = SyncVectorEnv(fns, autoreset_mode=mode)
+    try:
+        assert envs.in_process
+        assert_same(envs.reset(seed=4), sync.reset(seed=4))
+        for t in range(120):
+            actions = np.array([t % 2, 1, 0])
+            got, want = envs.step(actions), sync.step(actions)
+            assert_same(got, want)
+            if "pid" in got[4]:  # autoreset rows carry the reset info instead
+                reported = got[4]["_pid"]
+                assert reported.any() and (got[4]["pid"][reported] == os.getpid()).all()
+            if mode == "Disabled" and (want[2] | want[3]).any():
+                mask = want[2] | want[3]
+                assert_same(
+                    envs.reset(options={"reset_mask": mask.copy()}),
+                    sync.reset(options={"reset_mask": mask.copy()}),
+                )
+        assert envs.get_attr("spec")[0].id == "CartPole-v1"
+    finally:
+        envs.close()
+        sync.close()
+    assert envs.closed
+
+
+def test_num_workers_0_reraises_env_errors_and_recovers():
+    envs = ShmVectorEnv(test_envs.gym_fns("CartPole-v1", 2), num_workers=0)
+    envs.reset(seed=0)
+    with pytest.raises(TypeError, match="Unable to iterate"):
+        envs.step(1)
+    envs.set_attr("boom", 1)
+    assert envs.get_attr("boom") == (1, 1)
+    obs, *_ = envs.step(np.zeros(2, dtype=np.int64))
+    assert obs.shape == (2, 4)
+    envs.close()
