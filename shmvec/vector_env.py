@@ -406,35 +406,42 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         if isinstance(seed, int):
             return [seed + i // g for i in range(n)]
         seeds = list(seed)
-        if g > 1 and len(seeds) == n // g:
-            return [seeds[i // g] for i in range(n)]
-        if len(seeds) != n:
-            groups = f" (or num_envs / group_size = {n // g})" if g > 1 else ""
-            raise ValueError(
-                f"If seeds are passed as a list the length must match num_envs={n}{groups} "
-                f"but got length={len(seeds)}."
-            )
-        return seeds
+        return self._per_env(
+            seeds,
+            lambda expected: (
+                "If seeds are passed as a list the length must match "
+                f"num_envs={expected} but got length={len(seeds)}."
+            ),
+        )
 
     def _expand_options(self, options) -> list:
         """One options dict (or None) per env; envs of a group share theirs."""
-        n, g = self.num_envs, self.group_size
         if options is None or isinstance(options, dict):
-            return [options] * n
+            return [options] * self.num_envs
         if not isinstance(options, (list, tuple)):
             raise TypeError(f"options must be a dict, a list of dicts or None, got {options!r}")
-        if g > 1 and len(options) == n // g:
-            return [options[i // g] for i in range(n)]
-        if len(options) != n:
-            groups = f" (or num_envs / group_size = {n // g})" if g > 1 else ""
-            raise ValueError(
-                f"options as a list needs one entry per env: expected {n}{groups}, "
-                f"got {len(options)}"
-            )
         for i, entry in enumerate(options):
             if entry is not None and not isinstance(entry, dict):
                 raise TypeError(f"options[{i}] must be a dict or None, got {entry!r}")
-        return list(options)
+        return self._per_env(
+            list(options),
+            lambda expected: (
+                "options as a list needs one entry per env: expected "
+                f"{expected}, got {len(options)}"
+            ),
+        )
+
+    def _per_env(self, values: list, message: Callable[[str], str]) -> list:
+        """``values`` with one entry per env, or per group (then expanded to its envs);
+        any other length is a ValueError with ``message(expected lengths)``."""
+        n, g = self.num_envs, self.group_size
+        if g > 1 and len(values) == n // g:
+            return [values[i // g] for i in range(n)]
+        if len(values) != n:
+            raise ValueError(
+                message(f"{n} (or num_envs / group_size = {n // g})" if g > 1 else str(n))
+            )
+        return values
 
     # ------------------------------------------------------------------- step
 
