@@ -215,6 +215,7 @@ def step_envs(
     uint8_t[::1] truncations,
     uint8_t[::1] autoreset,
     InfoColumns info_columns,
+    uint32_t[::1] current_env,
 ):
     """Sync mode: steps ``envs`` (rows ``first_row ...``) and writes their results.
 
@@ -230,6 +231,8 @@ def step_envs(
     ``info_columns`` instead, and ``announced`` lists the ``(key, column)``
     pairs new this round. ``errors`` is a list of ``(row, exception,
     traceback_text)``. An env that raised keeps its previous results.
+    ``current_env[0]`` says which env runs (1 + its row; 0 after the block), so
+    that a timeout can name it.
     """
     cdef Py_ssize_t i, row
     cdef list infos = []
@@ -238,6 +241,7 @@ def step_envs(
     cdef tuple result
     for i in range(len(envs)):
         row = first_row + i
+        current_env[0] = row + 1
         info_columns.clear(row)
         try:
             action = None if (stepper.mode == NEXT_STEP and autoreset[i]) \
@@ -252,6 +256,7 @@ def step_envs(
                 infos.append((row, merged))
         except Exception as exc:  # noqa: BLE001 - re-raised in the main process
             errors.append((row, exc, _format_exc()))
+    current_env[0] = 0
     return infos, errors, announced
 
 
@@ -328,6 +333,7 @@ def step_pending(
     list info_columns,
     uint8_t[::1] autoreset,
     object send_message,
+    uint32_t[::1] current_env,
 ):
     """Async mode: runs every env of the block that has a command, in env order.
 
@@ -353,6 +359,7 @@ def step_pending(
             continue
         commands[i] = ENV_IDLE  # before the publish: main may send again right after
         env_id = first_env + i
+        current_env[0] = env_id + 1
         error = None
         try:
             if command == ENV_RESET:
@@ -400,6 +407,7 @@ def step_pending(
         if message is not None:
             message["row"] = (ref.slot, ref.row)
             send_message(message)
+    current_env[0] = 0
 
 
 def _format_exc():

@@ -244,7 +244,8 @@ class AsyncRollouts:
             timeout,
             lambda: (
                 f"The call to `recv` has timed out after {timeout} second(s): "
-                f"{self._ring.filled(slot)} of {self.batch_size} results arrived."
+                f"{self._ring.filled(slot)} of {self.batch_size} results arrived; envs "
+                f"still running or queued: {np.flatnonzero(~self._awaiting).tolist()}."
             ),
         )
 

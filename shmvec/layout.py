@@ -399,14 +399,29 @@ class SegmentLayout:
         ]
 
     def worker_words(self, buffer) -> np.ndarray:
-        """uint32 per worker, 1 when a pickled message follows its round."""
+        """uint32 per worker, 1 when a pickled message follows its round.
+
+        Each worker's cache line: this flag (bytes 0..3), the env it is stepping
+        (4..7), busy nanoseconds (8..15), its last finished generation (16..19).
+        """
+        return self._worker_u32(buffer, 0)
+
+    def worker_current_env(self, buffer) -> np.ndarray:
+        """uint32 per worker: 1 + the env it is stepping, 0 between envs."""
+        return self._worker_u32(buffer, 1)
+
+    def worker_finished_generation(self, buffer) -> np.ndarray:
+        """uint32 per worker: the last barrier generation it finished."""
+        return self._worker_u32(buffer, 4)  # bytes 16..19: after busy_ns
+
+    def _worker_u32(self, buffer, column: int) -> np.ndarray:
         words = np.ndarray(
             (self.num_workers, CACHE_LINE // 4),
             np.uint32,
             buffer=buffer,
             offset=self.worker_words_offset,
         )
-        return words[:, 0]
+        return words[:, column]
 
     def worker_busy_ns(self, buffer) -> np.ndarray:
         """uint64 per worker: nanoseconds it spent serving commands (its own line)."""

@@ -732,8 +732,24 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._wait_for(
             self._barrier.wait_done,
             timeout,
-            lambda: f"The call to `{name}` has timed out after {timeout} second(s).",
+            lambda: (
+                f"The call to `{name}` has timed out after {timeout} second(s). "
+                f"Not finished: {self._unfinished_workers()}."
+            ),
         )
+
+    def _unfinished_workers(self) -> str:
+        """The workers that have not finished the current round, and their env."""
+        buffer = memoryview(self._segment)
+        finished = self._layout.worker_finished_generation(buffer)
+        current = self._layout.worker_current_env(buffer)
+        generation = self._barrier.generation
+        late = []
+        for index, rows in enumerate(self._env_blocks):
+            if finished[index] != generation:
+                where = f", in env {current[index] - 1}" if current[index] else ""
+                late.append(f"worker {index} (envs {rows.start}..{rows.stop - 1}{where})")
+        return ", ".join(late) or "none (they finished as the wait ended)"
 
     def _wait_for(
         self, ready: Callable[[int, int], bool], timeout: float | None, why: Callable[[], str]

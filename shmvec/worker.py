@@ -226,6 +226,9 @@ class Worker:
         buffer = memoryview(segment)
         self.flag = self.layout.worker_words(buffer)[spec.index : spec.index + 1]
         self.busy_ns = self.layout.worker_busy_ns(buffer)[spec.index : spec.index + 1]
+        line = slice(spec.index, spec.index + 1)
+        self.current_env = self.layout.worker_current_env(buffer)[line]
+        self.finished = self.layout.worker_finished_generation(buffer)[line]
         self.obs_codec = make_codec(spec.observation_space, spec.shared_memory)
         self.action_codec = make_codec(spec.action_space)
         self.stepper = _worker_loop.Stepper(self.action_codec, self.obs_codec, spec.autoreset_mode)
@@ -297,6 +300,7 @@ class Worker:
             self.info_columns,
             self.autoreset,
             lambda message: _send(self.pipe, message),
+            self.current_env,
         )
         return True
 
@@ -329,6 +333,8 @@ class Worker:
             message = {"errors": [(-1, RuntimeError(f"unknown command {kind}"), "")]}
         if message:
             self.flag[0] = 1
+        self.current_env[0] = 0
+        self.finished[0] = self.generation
         self.barrier.arrive()
         if message:
             _send(self.pipe, message)
@@ -369,6 +375,7 @@ class Worker:
             views.truncations,
             self.autoreset,
             self.info_columns[slot],
+            self.current_env,
         )
         return self._message(infos, errors, obs_target, announced)
 
@@ -391,6 +398,7 @@ class Worker:
         self.slots[slot].info_codes[self.rows.start : self.rows.stop] = 0
         infos, errors = [], []
         for i, (env, row) in enumerate(zip(self.envs, self.rows)):
+            self.current_env[0] = row + 1
             if mask is not None and not mask[i]:
                 continue
             try:
@@ -406,6 +414,7 @@ class Worker:
     def call(self, name: str, args: tuple, kwargs: dict) -> dict:
         results, errors = [], []
         for env, row in zip(self.envs, self.rows):
+            self.current_env[0] = row + 1
             try:
                 value = env.get_wrapper_attr(name)
                 results.append(value(*args, **kwargs) if callable(value) else value)
@@ -417,6 +426,7 @@ class Worker:
     def set_attr(self, name: str, values: list) -> dict:
         errors = []
         for env, row, value in zip(self.envs, self.rows, values):
+            self.current_env[0] = row + 1
             try:
                 env.set_wrapper_attr(name, value)
             except Exception as exc:  # noqa: BLE001

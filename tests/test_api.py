@@ -10,6 +10,7 @@ import functools
 import multiprocessing
 import os
 import re
+import time
 
 import envs as test_envs
 import gymnasium as gym
@@ -680,7 +681,10 @@ def test_step_wait_timeout_then_usable():
         with pytest.raises(multiprocessing.TimeoutError) as info:
             envs.step_wait(timeout=0.05)
         assert type(info.value) is multiprocessing.TimeoutError
-        assert str(info.value) == "The call to `step_wait` has timed out after 0.05 second(s)."
+        # gymnasium's message, then which workers (and envs) had not finished.
+        message = str(info.value)
+        assert message.startswith("The call to `step_wait` has timed out after 0.05 second(s). ")
+        assert "Not finished: worker 0 (envs 0..0, in env 0)" in message
         # The state is back to default: a new step can start, and its results
         # are its own (the timed-out step's results are not handed out).
         obs, rewards, term, trunc, _ = envs.step(np.array([3, 0]))
@@ -1155,3 +1159,31 @@ def test_num_workers_0_reraises_env_errors_and_recovers():
     obs, *_ = envs.step(np.zeros(2, dtype=np.int64))
     assert obs.shape == (2, 4)
     envs.close()
+
+
+class SleepsWhenTold(gym.Wrapper):
+    """Sleeps ``delay`` seconds per step once ``delay`` is set (with set_attr)."""
+
+    delay = 0.0
+
+    def step(self, action):
+        time.sleep(self.delay)
+        return self.env.step(action)
+
+
+def test_step_timeout_names_the_worker_and_env_that_did_not_finish():
+    envs = ShmVectorEnv([lambda: SleepsWhenTold(gym.make("CartPole-v1"))] * 4, num_workers=2)
+    try:
+        envs.reset(seed=0)
+        envs.set_attr("delay", [0.0, 0.0, 0.0, 1.0])
+        envs.step_async(np.zeros(4, dtype=np.int64))
+        with pytest.raises(multiprocessing.TimeoutError) as error:
+            envs.step_wait(timeout=0.2)
+        message = str(error.value)
+        assert message.startswith("The call to `step_wait` has timed out after 0.2 second(s).")
+        assert "worker 1 (envs 2..3, in env 3)" in message and "worker 0" not in message
+        envs.set_attr("delay", 0.0)  # waits for the late round, then goes on
+        obs, *_ = envs.step(np.zeros(4, dtype=np.int64))
+        assert obs.shape == (4, 4)
+    finally:
+        envs.close()
