@@ -1187,3 +1187,32 @@ def test_step_timeout_names_the_worker_and_env_that_did_not_finish():
         assert obs.shape == (4, 4)
     finally:
         envs.close()
+
+
+class TooLongText(gym.Env):
+    """Its observations break its own Text space once ``overflow`` is set."""
+
+    observation_space = gym.spaces.Text(max_length=3, charset="abcd")
+    action_space = gym.spaces.Discrete(2)
+    overflow = False
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return "abc", {}
+
+    def step(self, action):
+        return ("abcd" if self.overflow else "ab"), 0.0, False, False, {}
+
+
+def test_text_longer_than_its_space_is_an_error_naming_the_env():
+    envs = ShmVectorEnv([TooLongText] * 2, num_workers=2)
+    try:
+        assert envs.reset(seed=0)[0] == ("abc", "abc")
+        envs.set_attr("overflow", [False, True])
+        with pytest.raises(ValueError, match="'abcd' is longer than its space's max_length=3") as e:
+            envs.step(np.zeros(2, dtype=np.int64))
+        assert "raised by env 1" in "\n".join(getattr(e.value, "__notes__", []))
+        envs.set_attr("overflow", False)
+        assert envs.step(np.zeros(2, dtype=np.int64))[0] == ("ab", "ab")
+    finally:
+        envs.close()
