@@ -110,26 +110,23 @@ class TorchVectorEnv(VectorWrapper):
             return tuple(self._to_device(v) for v in value)
         return value
 
+    def _tensors(self, obs, rewards, terminations, truncations) -> list:
+        converted = [self._to_device(obs)]
+        if rewards is not None:
+            converted += [
+                self._to_device(rewards).to(self.reward_dtype),
+                self._to_device(terminations),
+                self._to_device(truncations),
+            ]
+        return converted
+
     def _convert(self, slot: int, obs, rewards=None, terminations=None, truncations=None):
         """Tensors of one result; on CUDA, copied on the bridge's stream."""
         if self.device.type == "cpu":
-            converted = [self._to_device(obs)]
-            if rewards is not None:
-                converted += [
-                    torch.from_numpy(rewards).to(self.reward_dtype),
-                    torch.from_numpy(terminations),
-                    torch.from_numpy(truncations),
-                ]
-            return converted
+            return self._tensors(obs, rewards, terminations, truncations)
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._stream):
-            converted = [self._to_device(obs)]
-            if rewards is not None:
-                converted += [
-                    self._to_device(rewards).to(self.reward_dtype),
-                    self._to_device(terminations),
-                    self._to_device(truncations),
-                ]
+            converted = self._tensors(obs, rewards, terminations, truncations)
             self._events[slot].record(self._stream)
         self._pending[slot] = True
         current.wait_event(self._events[slot])
