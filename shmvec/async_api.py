@@ -96,7 +96,7 @@ class AsyncRollouts:
             if env_ids is not None:
                 raise ValueError("env_ids in async_reset needs batch_size < num_envs")
             self.reset_async(seed=seed, options=options)
-            self._sync_reset_pending = True
+            self._sync_reset_pending = True  # the next recv() is reset_wait()
             return
         ids = np.arange(self.num_envs) if env_ids is None else self._check_env_ids(env_ids)
         busy = ids[~self._awaiting[ids]]
@@ -218,17 +218,10 @@ class AsyncRollouts:
         obs = self._read_rows_obs(views, messages)
         infos = self._merge_row_infos(views, env_ids, messages)
         infos["env_id"] = env_ids
-        rewards, terminations, truncations = views.rewards, views.terminations, views.truncations
-        if self.copy:
-            rewards, terminations, truncations = (
-                rewards.copy(),
-                terminations.copy(),
-                truncations.copy(),
-            )
-        return obs, rewards, terminations.view(np.bool_), truncations.view(np.bool_), infos
+        return (obs, *self._slot_outcomes(views), infos)
 
     def _recv_sync(self, timeout: float | None):
-        if getattr(self, "_sync_reset_pending", False):
+        if self._sync_reset_pending:
             self._sync_reset_pending = False
             obs, infos = self.reset_wait(timeout)
             zeros = np.zeros(self.num_envs, dtype=bool)

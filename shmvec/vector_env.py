@@ -203,6 +203,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._unfinished_round = False
         self._info_schemas: list[dict] = [{} for _ in range(self.num_workers)]
         self._pickled_obs: list | None = None  # last obs of each env, pickled spaces
+        self._sync_reset_pending = False  # async_reset() in sync mode: recv() waits for it
         self._slot = 0
         self._workers: list = []
         self._pipes: list = []
@@ -492,14 +493,18 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         messages = self._finish_round(timeout, "step_wait")
         infos = self._merge_infos(messages)
         slot = self._slots[self._slot]
+        self._count(slot.terminations, slot.truncations)
+        return (self._read_obs(messages), *self._slot_outcomes(slot), infos)
+
+    def _slot_outcomes(self, slot) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rewards, terminations, truncations) of a ring slot: copies if ``copy``,
+        the flags as bool."""
         rewards, terminations, truncations = slot.rewards, slot.terminations, slot.truncations
-        self._count(terminations, truncations)
-        obs = self._read_obs(messages)
         if self.copy:
-            rewards = rewards.copy()
-            terminations = terminations.copy()
-            truncations = truncations.copy()
-        return obs, rewards, terminations.view(np.bool_), truncations.view(np.bool_), infos
+            rewards, terminations, truncations = (
+                rewards.copy(), terminations.copy(), truncations.copy()
+            )  # fmt: skip
+        return rewards, terminations.view(np.bool_), truncations.view(np.bool_)
 
     def step(self, actions: ArrayType):
         """Steps every env; see ``gymnasium.vector.VectorEnv.step``."""
