@@ -35,13 +35,13 @@ ROUNDS = 10
 
 
 @pytest.mark.benchmark(group="cartpole-32envs")
-@pytest.mark.parametrize("backend", ["shmvec", "sync", "async"])
+@pytest.mark.parametrize("backend", ["shmvec", "shmvec-main", "sync", "async"])
 def test_cartpole_32_envs(throughput, backend):
     throughput("cartpole", backend, num_envs=32, steps=100, rounds=ROUNDS)
 
 
 @pytest.mark.benchmark(group="cpu100us-8envs")
-@pytest.mark.parametrize("backend", ["shmvec", "sync", "single"])
+@pytest.mark.parametrize("backend", ["shmvec", "shmvec-main", "sync", "single"])
 def test_cpu100us_8_envs(throughput, backend):
     # single steps one env: 8x the steps keeps the work per round equal.
     num_envs, steps = (1, 400) if backend == "single" else (8, 50)
@@ -49,7 +49,7 @@ def test_cpu100us_8_envs(throughput, backend):
 
 
 @pytest.mark.benchmark(group="noop-1env")
-@pytest.mark.parametrize("backend", ["shmvec", "sync", "async"])
+@pytest.mark.parametrize("backend", ["shmvec", "shmvec-main", "sync", "async"])
 def test_noop_round_trip(throughput, backend):
     throughput("noop", backend, num_envs=1, steps=1000, rounds=ROUNDS)
 

@@ -159,9 +159,6 @@ class AsyncRollouts:
     def _start_envs(self, env_ids: np.ndarray, command: int) -> None:
         self._env_commands[env_ids] = command
         self._awaiting[env_ids] = False
-        if self.in_process:
-            self._workers[0].poll(async_mode=True)
-            return
         workers = np.bincount(self._env_worker[env_ids], minlength=self.num_workers)
         for index in np.flatnonzero(workers).tolist():
             self._doorbells[index].ring()
@@ -203,6 +200,7 @@ class AsyncRollouts:
             self._ring.release(self._held_slot)
             self._held_slot = None
         slot = self._recv_slot
+        self._run_main_worker()
         self._wait_slot(slot, timeout)
         views = self._slots[slot]
         env_ids = views.env_ids.astype(np.int64)

@@ -193,10 +193,10 @@ ENVPOOL_TASKS = {"cartpole": "CartPole-v1", "pong": "Pong-v5"}
 #: Every backend this module can time. ``async-nocopy`` (AsyncVectorEnv with
 #: copy=False) is not in the default set; it is the fair peer of ``shmvec-nocopy``.
 BACKENDS = (
-    "shmvec", "shmvec-nocopy", "shmvec-async", "shmvec-sb3", "sync", "async",
-    "async-nocopy", "sb3", "envpool", "envpool-async", "single",
+    "shmvec", "shmvec-main", "shmvec-nocopy", "shmvec-async", "shmvec-sb3", "sync",
+    "async", "async-nocopy", "sb3", "envpool", "envpool-async", "single",
 )  # fmt: skip
-DEFAULT_BACKENDS = ("shmvec", "shmvec-nocopy", "sync", "async", "sb3", "single")
+DEFAULT_BACKENDS = ("shmvec", "shmvec-main", "shmvec-nocopy", "sync", "async", "sb3", "single")
 #: Batches of random actions drawn before timing, then replayed in a cycle.
 NUM_ACTION_BATCHES = 256
 
@@ -384,14 +384,17 @@ def open_backend(
     """
     factory = WORKLOADS[workload]
     fns = [factory] * num_envs
-    if backend in ("shmvec", "shmvec-nocopy"):
+    if backend in ("shmvec", "shmvec-main", "shmvec-nocopy"):
         import shmvec
 
         if num_workers is not None:
             num_workers = min(num_workers, num_envs)
-
         env = shmvec.ShmVectorEnv(
-            fns, copy=backend == "shmvec", context=context, num_workers=num_workers
+            fns,
+            copy=backend != "shmvec-nocopy",
+            context=context,
+            num_workers=num_workers,
+            step_in_main=backend == "shmvec-main",
         )
         return _vector_stepper(env, env.num_workers, seed)
     if backend == "shmvec-async":
@@ -597,7 +600,7 @@ class Case:
 
 #: ``--quick``: (workload, num_envs) pairs, each against these backends.
 QUICK_CASES = (("cartpole", 32), ("cpu100us", 8), ("noop", 1))
-QUICK_BACKENDS = ("shmvec", "sync", "async", "single")
+QUICK_BACKENDS = ("shmvec", "shmvec-main", "sync", "async", "single")
 
 
 def plan_cases(

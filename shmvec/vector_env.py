@@ -101,6 +101,13 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             every env in the main process (``in_process``), through the same code
             and with the same results: the debugging mode, where a breakpoint
             inside ``env.step`` just works.
+        step_in_main: if True, the main process steps the first block of envs
+            itself, in ``step_wait``/``recv``, while the workers step theirs:
+            ``num_workers - 1`` processes are started and the main process's
+            core does env work instead of waiting. The fastest choice when
+            there are as many workers as cores and the envs are cheap, at the
+            price of isolation: those envs live in the main process (a crash
+            there is the trainer's crash, a timeout cannot interrupt them).
         batch_size: with ``batch_size < num_envs``, the async engine: use
             ``async_reset``/``send``/``recv`` (see shmvec/async_api.py).
         group_size: envs ``g*k .. g*k+g-1`` form group ``k``: ``reset(seed=s)``
@@ -128,6 +135,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         group_size: int = 1,
         ring_depth: int = 2,
         spin_ns: int | None = None,
+        step_in_main: bool = False,
     ) -> None:
         self.closed = True  # until the workers are up; close() is then a no-op
         env_fns = _check_env_fns(env_fns)
@@ -169,8 +177,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             raise ValueError(
                 f"num_workers must be between 0 and num_envs={self.num_envs}, got {num_workers}"
             )
-        # num_workers=0: one worker, run in this process (see InProcessWorker).
+        # num_workers=0: one worker, run in this process (see InProcessWorker);
+        # step_in_main: worker 0 runs in this process, the others are processes.
         self.in_process = num_workers == 0
+        self.step_in_main = self.in_process or bool(step_in_main)
         self.num_workers = max(num_workers, 1)
         self._env_blocks = _split_blocks(self.num_envs, self.num_workers)
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
@@ -186,7 +196,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             # See csrc/result_ring.h: enough slots that a claim never overruns.
             ring_depth = max(ring_depth, -(-self.num_envs // self.batch_size) + 1)
         self.ring_depth = ring_depth
-        self._spin = default_spin(num_workers) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
+        processes = self.num_workers - 1 if self.step_in_main else self.num_workers
+        self._spin = default_spin(processes) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
         self._obs_codec = make_codec(self.single_observation_space, shared_memory)
         self._action_codec = make_codec(self.single_action_space)
         self._pickled_actions = PickledCodec(self.single_action_space)
@@ -206,6 +217,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._sync_reset_pending = False  # async_reset() in sync mode: recv() waits for it
         self._slot = 0
         self._workers: list = []
+        self._main_worker: InProcessWorker | None = None  # worker 0 with step_in_main
         self._pipes: list = []
         self._stashed: list[tuple[deque, deque]] = []
         self._segment = None
@@ -279,18 +291,19 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         )
 
     def _spawn_workers(self, env_fns: list) -> None:
-        if self.in_process:
-            main_end, worker_end = LoopbackPipe.pair()
-            spec = self._worker_spec(0, 0, env_fns)
-            self._workers.append(InProcessWorker(spec, self._segment, worker_end))
-            self._pipes.append(main_end)
-            self._stashed.append((deque(), deque()))
-            logger.info("running envs 0..%d in the main process", self.num_envs - 1)
-            return
         ctx = multiprocessing.get_context(self.context)
         forked = ctx.get_start_method() == "fork"
         for index, rows in enumerate(self._env_blocks):
             block = env_fns[rows.start : rows.stop]
+            self._stashed.append((deque(), deque()))  # (replies, row messages)
+            if index == 0 and self.step_in_main:
+                main_end, worker_end = LoopbackPipe.pair()
+                spec = self._worker_spec(0, rows.start, block)
+                self._main_worker = InProcessWorker(spec, self._segment, worker_end)
+                self._workers.append(self._main_worker)
+                self._pipes.append(main_end)
+                logger.info("running envs %d..%d in the main process", rows.start, rows.stop - 1)
+                continue
             payload = block if forked else _pickle_env_fns(block, rows)
             spec = self._worker_spec(index, rows.start, payload)
             parent_end, child_end = ctx.Pipe(duplex=True)
@@ -308,7 +321,6 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             child_end.close()
             self._workers.append(process)
             self._pipes.append(parent_end)
-            self._stashed.append((deque(), deque()))  # (replies, row messages)
 
     def _await_ready(self) -> None:
         for index in range(self.num_workers):
@@ -653,9 +665,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
     def _post(self, kind: int, arg: int = 0) -> None:
         """Starts a barrier round; async-mode workers sleep on their doorbells."""
         self._barrier.post(kind, arg)
-        if self.in_process:
-            self._workers[0].poll(self.is_async)
-        elif self.is_async:
+        if self.is_async:
             for bell in self._doorbells:
                 bell.ring()
 
@@ -734,6 +744,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _wait_done(self, timeout: float | None, name: str) -> None:
         """Waits for every worker to arrive; raises on timeout or a worker's death."""
+        self._run_main_worker()
         self._wait_for(
             self._barrier.wait_done,
             timeout,
@@ -742,6 +753,11 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 f"Not finished: {self._unfinished_workers()}."
             ),
         )
+
+    def _run_main_worker(self) -> None:
+        """With ``step_in_main``: does worker 0's share of what was just asked."""
+        if self._main_worker is not None:
+            self._main_worker.poll(self.is_async)
 
     def _unfinished_workers(self) -> str:
         """The workers that have not finished the current round, and their env."""

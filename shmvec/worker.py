@@ -486,8 +486,8 @@ class LoopbackPipe:
 
 
 class InProcessWorker:
-    """``num_workers=0``: the worker runs in the main process, stepping its envs
-    synchronously when the main process posts a command. It stands in for the
+    """``num_workers=0`` or ``step_in_main``: worker 0 runs in the main process,
+    which steps its envs when it waits for a round (``poll``). It stands in for the
     ``multiprocessing.Process`` (``pid``, ``exitcode``, ``join``...), so the
     main process's code is the same, and a breakpoint inside ``env.step`` works.
     """
@@ -499,11 +499,20 @@ class InProcessWorker:
         pipe.send_bytes(pickle.dumps({"ready": self.pid}))
 
     def poll(self, async_mode: bool) -> None:
-        """Does whatever the main process just asked for."""
-        if self.exitcode is None:
-            alive = self.worker.poll_async() if async_mode else self.worker.poll_sync()
-            if not alive:
-                self.exitcode = 0
+        """Does whatever the main process has asked for and not had done yet."""
+        worker = self.worker
+        if self.exitcode is not None:
+            return
+        started = time.perf_counter_ns()
+        if async_mode:
+            alive = worker.poll_async()
+        elif worker.barrier.generation_now() != worker.generation:
+            alive = worker.poll_sync()
+        else:
+            return
+        worker.busy_ns[0] += time.perf_counter_ns() - started
+        if not alive:
+            self.exitcode = 0
 
     def join(self, timeout: float | None = None) -> None:
         pass

@@ -1120,6 +1120,10 @@ class PidRecorder(gym.Wrapper):
         obs, reward, terminated, truncated, info = self.env.step(action)
         return obs, reward, terminated, truncated, {**info, "pid": os.getpid()}
 
+    def fail_if_boom(self):
+        if getattr(self, "boom", False):
+            raise RuntimeError("boom")
+
 
 @pytest.mark.parametrize("mode", ["NextStep", "SameStep", "Disabled"])
 def test_num_workers_0_runs_in_process_with_sync_results(mode):
@@ -1147,6 +1151,31 @@ def test_num_workers_0_runs_in_process_with_sync_results(mode):
         envs.close()
         sync.close()
     assert envs.closed
+
+
+def test_step_in_main_steps_block_0_in_the_main_process():
+    fns = [lambda: PidRecorder(gym.make("CartPole-v1"))] * 4
+    envs = ShmVectorEnv(fns, num_workers=2, step_in_main=True)
+    try:
+        assert envs.step_in_main and not envs.in_process
+        assert [p.pid == os.getpid() for p in envs._workers] == [True, False]
+        envs.reset(seed=0)
+        envs.step_async(np.zeros(4, dtype=np.int64))
+        pids = envs.step_wait()[4]["pid"]
+        assert (pids[:2] == os.getpid()).all() and (pids[2:] != os.getpid()).all()
+        # An error in a main-process env comes back like a worker's, naming the env.
+        envs.set_attr("boom", [True, False, False, False])
+        envs.call_async("fail_if_boom")
+        with pytest.raises(RuntimeError, match="boom") as error:
+            envs.call_wait()
+        assert "raised by env 0 in shmvec worker 0" in "\n".join(error.value.__notes__)
+        assert envs.step(np.ones(4, dtype=np.int64))[0].shape == (4, 4)
+        busy = envs.stats()["worker_busy_fraction"]
+        assert len(busy) == 2 and busy[0] > 0
+        workers = list(envs._workers)
+    finally:
+        envs.close()
+    assert [p.exitcode for p in workers] == [0, 0]
 
 
 def test_num_workers_0_reraises_env_errors_and_recovers():

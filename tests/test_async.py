@@ -58,12 +58,14 @@ def reference_step(env, mode, ended, action):
 
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
 @pytest.mark.parametrize("num_envs,num_workers,batch_size", [(8, 2, 3), (6, 3, 1), (9, 2, 5)])
-def test_each_env_matches_stepping_it_alone(mode, num_envs, num_workers, batch_size):
+@pytest.mark.parametrize("step_in_main", [False, True], ids=["workers", "main-too"])
+def test_each_env_matches_stepping_it_alone(mode, num_envs, num_workers, batch_size, step_in_main):
     envs = shmvec.ShmVectorEnv(
         [uneven(k) for k in range(num_envs)],
         num_workers=num_workers,
         batch_size=batch_size,
         autoreset_mode=mode,
+        step_in_main=step_in_main,
     )
     alone = [uneven(k)() for k in range(num_envs)]
     expected = {}

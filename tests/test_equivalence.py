@@ -199,6 +199,24 @@ def test_custom_env_all_layouts(autoreset_mode, num_workers, num_envs, shared_me
     assert stats["info_steps"] > 0
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "pickled"])
+@pytest.mark.parametrize("num_workers,num_envs", [(2, 6), (3, 9)])
+@pytest.mark.parametrize("autoreset_mode", MODES)
+def test_custom_env_step_in_main(autoreset_mode, num_workers, num_envs, shared_memory):
+    """The main process steps block 0, worker processes the others: same results."""
+    stats = run_equivalence(
+        test_envs.ENV_CASES["CustomSpaceEnv"],
+        num_envs,
+        autoreset_mode,
+        steps=50,
+        num_workers=num_workers,
+        shared_memory=shared_memory,
+        step_in_main=True,
+    )
+    assert stats["ended"] > 0
+    assert stats["info_steps"] > 0
+
+
 @pytest.mark.parametrize("ring_depth", [2, 3, 5])
 def test_custom_env_ring_depths(ring_depth):
     run_equivalence(
