@@ -45,6 +45,9 @@ cdef enum:
     SAME_STEP = 1
     DISABLED = 2
 
+# The same codes, for Python.
+MODE_NEXT_STEP, MODE_SAME_STEP, MODE_DISABLED = NEXT_STEP, SAME_STEP, DISABLED
+
 
 cdef class WorkerBarrier:
     """A worker's side of the StepBarrier whose words start at ``address``.
@@ -216,6 +219,7 @@ def step_envs(
     uint8_t[::1] autoreset,
     InfoColumns info_columns,
     uint32_t[::1] current_env,
+    object on_error=None,
 ):
     """Sync mode: steps ``envs`` (rows ``first_row ...``) and writes their results.
 
@@ -230,7 +234,9 @@ def step_envs(
     merged in order with ``VectorEnv._add_info``; numeric scalar infos go to
     ``info_columns`` instead, and ``announced`` lists the ``(key, column)``
     pairs new this round. ``errors`` is a list of ``(row, exception,
-    traceback_text)``. An env that raised keeps its previous results.
+    traceback_text)``. An env that raised keeps its previous results, unless
+    ``on_error(i, exc)`` (``on_env_error="reset"``) gives a result to report
+    instead: the env, reset, ends a truncated episode.
     ``current_env[0]`` says which env runs (1 + its row; 0 after the block), so
     that a timeout can name it.
     """
@@ -244,10 +250,16 @@ def step_envs(
         current_env[0] = row + 1
         info_columns.clear(row)
         try:
-            action = None if (stepper.mode == NEXT_STEP and autoreset[i]) \
-                else stepper.read_action(action_views, row)
-            result = stepper.advance(envs[i], action, autoreset[i])
-            stepper.write(obs_views, rewards, terminations, truncations, row, result)
+            try:
+                action = None if (stepper.mode == NEXT_STEP and autoreset[i]) \
+                    else stepper.read_action(action_views, row)
+                result = stepper.advance(envs[i], action, autoreset[i])
+                stepper.write(obs_views, rewards, terminations, truncations, row, result)
+            except Exception as exc:  # noqa: BLE001
+                if on_error is None:
+                    raise
+                result = on_error(i, exc)
+                stepper.write(obs_views, rewards, terminations, truncations, row, result)
             autoreset[i] = 1 if (result[2] or result[3]) else 0
             merged = result[4]
             if merged is not None and not (
@@ -334,6 +346,7 @@ def step_pending(
     uint8_t[::1] autoreset,
     object send_message,
     uint32_t[::1] current_env,
+    object on_error=None,
 ):
     """Async mode: runs every env of the block that has a command, in env order.
 
@@ -346,6 +359,7 @@ def step_pending(
 
     A row whose info opened new info columns carries ``info_columns`` in its
     message, so the main process learns them before it decodes that row.
+    ``on_error`` is as in ``step_envs``, for steps (a failed reset is an error).
     """
     cdef Py_ssize_t i, env_id
     cdef uint8_t command
@@ -367,9 +381,14 @@ def step_pending(
                 obs, info = envs[i].reset(seed=seed, options=options)
                 result = (obs, 0.0, False, False, [info] if info else None)
             else:
-                action = None if (stepper.mode == NEXT_STEP and autoreset[i]) \
-                    else stepper.read_action(action_views, env_id)
-                result = stepper.advance(envs[i], action, autoreset[i])
+                try:
+                    action = None if (stepper.mode == NEXT_STEP and autoreset[i]) \
+                        else stepper.read_action(action_views, env_id)
+                    result = stepper.advance(envs[i], action, autoreset[i])
+                except Exception as exc:  # noqa: BLE001
+                    if on_error is None:
+                        raise
+                    result = on_error(i, exc)
             autoreset[i] = 1 if (result[2] or result[3]) else 0
         except Exception as exc:  # noqa: BLE001 - re-raised in the main process
             error = (env_id, exc, _format_exc())

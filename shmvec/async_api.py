@@ -215,6 +215,8 @@ class AsyncRollouts:
             raise self._remote_error(errors)
         obs = self._read_rows_obs(views, messages)
         infos = self._merge_row_infos(views, env_ids, messages)
+        if "env_error" in infos:
+            self._note_env_resets(infos, env_ids)
         infos["env_id"] = env_ids
         return (obs, *self._slot_outcomes(views), infos)
 

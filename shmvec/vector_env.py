@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -32,7 +33,7 @@ from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_differing_spaces, batch_space
 from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
 
-from shmvec import _core
+from shmvec import _core, _worker_loop
 from shmvec import infos as infos_columns
 from shmvec.async_api import AsyncRollouts
 from shmvec.errors import WorkerDiedError, add_note
@@ -53,9 +54,9 @@ from shmvec.worker import (
 )
 
 _AUTORESET_CODES = {
-    AutoresetMode.NEXT_STEP: 0,
-    AutoresetMode.SAME_STEP: 1,
-    AutoresetMode.DISABLED: 2,
+    AutoresetMode.NEXT_STEP: _worker_loop.MODE_NEXT_STEP,
+    AutoresetMode.SAME_STEP: _worker_loop.MODE_SAME_STEP,
+    AutoresetMode.DISABLED: _worker_loop.MODE_DISABLED,
 }
 
 logger = logging.getLogger("shmvec")
@@ -101,6 +102,18 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             every env in the main process (``in_process``), through the same code
             and with the same results: the debugging mode, where a breakpoint
             inside ``env.step`` just works.
+        on_worker_death: ``"raise"`` (default): a dead worker (segfault, SIGKILL,
+            OOM kill) is a ``WorkerDiedError``. ``"restart"``: it is started
+            again, its envs are re-created and reset, and in that step they
+            report ``truncated`` with ``infos["worker_restarted"]``; the other
+            envs are unaffected. Sync mode only (``batch_size == num_envs``).
+        on_env_error: ``"raise"`` (default): an exception in an env is raised
+            here. ``"reset"``: the env is reset and its step reports
+            ``truncated`` with ``infos["env_error"]`` (the exception's type and
+            message); resets and ``call`` still raise.
+        env_timeout: seconds a worker may take for one ``step``/``reset``; a
+            worker past it is killed and treated as dead under
+            ``on_worker_death``. Sync mode only; None (default): no limit.
         step_in_main: if True, the main process steps the first block of envs
             itself, in ``step_wait``/``recv``, while the workers step theirs:
             ``num_workers - 1`` processes are started and the main process's
@@ -135,6 +148,9 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         group_size: int = 1,
         ring_depth: int = 2,
         spin_ns: int | None = None,
+        on_worker_death: str = "raise",
+        on_env_error: str = "raise",
+        env_timeout: float | None = None,
         step_in_main: bool = False,
     ) -> None:
         self.closed = True  # until the workers are up; close() is then a no-op
@@ -206,6 +222,20 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
                 f"batch_size < num_envs needs a fixed-size action space, not "
                 f"{self.single_action_space}"
             )
+        self.on_worker_death = _check_choice("on_worker_death", on_worker_death, "restart")
+        self.on_env_error = _check_choice("on_env_error", on_env_error, "reset")
+        if env_timeout is not None and not env_timeout > 0:
+            raise ValueError(f"env_timeout must be a positive number of seconds, got {env_timeout}")
+        self.env_timeout = env_timeout
+        if self.is_async and (on_worker_death == "restart" or env_timeout is not None):
+            raise ValueError(
+                "on_worker_death='restart' and env_timeout need batch_size == num_envs"
+            )
+        self._killed_stuck: dict[int, str] = {}  # worker -> why shmvec killed it
+        self._recovered: dict[int, dict] = {}  # messages of replacement workers
+        self._reset_payloads: dict[int, tuple] = {}  # the last reset of each worker
+        self._stats_restarts = 0
+        self._stats_env_resets = 0
         self._stats_wait_s = 0.0
         self._stats_steps = 0
         self._stats_episodes = 0
@@ -288,39 +318,46 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             spin_ns=self._spin.worker_ns,
             main_pid=os.getpid(),
             use_death_signal=threading.current_thread() is threading.main_thread(),
+            on_env_error=self.on_env_error,
         )
 
     def _spawn_workers(self, env_fns: list) -> None:
-        ctx = multiprocessing.get_context(self.context)
-        forked = ctx.get_start_method() == "fork"
         for index, rows in enumerate(self._env_blocks):
-            block = env_fns[rows.start : rows.stop]
             self._stashed.append((deque(), deque()))  # (replies, row messages)
             if index == 0 and self.step_in_main:
                 main_end, worker_end = LoopbackPipe.pair()
-                spec = self._worker_spec(0, rows.start, block)
+                spec = self._worker_spec(0, rows.start, env_fns[rows.start : rows.stop])
                 self._main_worker = InProcessWorker(spec, self._segment, worker_end)
                 self._workers.append(self._main_worker)
                 self._pipes.append(main_end)
                 logger.info("running envs %d..%d in the main process", rows.start, rows.stop - 1)
-                continue
-            payload = block if forked else _pickle_env_fns(block, rows)
-            spec = self._worker_spec(index, rows.start, payload)
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            process = ctx.Process(
-                target=worker_main,
-                args=(spec, SegmentFd(self._segment.fd), child_end),
-                name=f"shmvec-worker-{index}",
-                daemon=self.daemon,
-            )
-            process.start()
-            logger.info(
-                "started worker %d (pid %d, %s) for envs %d..%d",
-                index, process.pid, ctx.get_start_method(), rows.start, rows.stop - 1,
-            )  # fmt: skip
-            child_end.close()
-            self._workers.append(process)
-            self._pipes.append(parent_end)
+            else:
+                process, pipe = self._start_worker(index)
+                self._workers.append(process)
+                self._pipes.append(pipe)
+
+    def _start_worker(self, index: int, **spec_changes) -> tuple:
+        """Starts the process of worker ``index`` (again, after a death);
+        returns it and the main's end of its pipe."""
+        ctx = multiprocessing.get_context(self.context)
+        rows = self._env_blocks[index]
+        block = self.env_fns[rows.start : rows.stop]
+        payload = block if ctx.get_start_method() == "fork" else _pickle_env_fns(block, rows)
+        spec = dataclasses.replace(self._worker_spec(index, rows.start, payload), **spec_changes)
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        process = ctx.Process(
+            target=worker_main,
+            args=(spec, SegmentFd(self._segment.fd), child_end),
+            name=f"shmvec-worker-{index}",
+            daemon=self.daemon,
+        )
+        process.start()
+        logger.info(
+            "started worker %d (pid %d, %s) for envs %d..%d",
+            index, process.pid, ctx.get_start_method(), rows.start, rows.stop - 1,
+        )  # fmt: skip
+        child_end.close()
+        return process, parent_end
 
     def _await_ready(self) -> None:
         for index in range(self.num_workers):
@@ -369,8 +406,9 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         for index, rows in enumerate(self._env_blocks):
             block = slice(rows.start, rows.stop)
             block_mask = None if mask is None else mask[block]
-            self._send(index, "reset", (seeds[block], per_env[block], block_mask))
-        self._reset_mask = mask
+            self._reset_payloads[index] = (seeds[block], per_env[block], block_mask)
+            self._send(index, "reset", self._reset_payloads[index])
+        self._reset_mask = None if mask is None else mask.copy()
         self._post(RESET, slot)
         self._state = AsyncState.WAITING_RESET
 
@@ -504,6 +542,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             )
         messages = self._finish_round(timeout, "step_wait")
         infos = self._merge_infos(messages)
+        if "env_error" in infos:
+            self._note_env_resets(infos, np.arange(self.num_envs))
         slot = self._slots[self._slot]
         self._count(slot.terminations, slot.truncations)
         return (self._read_obs(messages), *self._slot_outcomes(slot), infos)
@@ -664,6 +704,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _post(self, kind: int, arg: int = 0) -> None:
         """Starts a barrier round; async-mode workers sleep on their doorbells."""
+        self._round_started = time.monotonic()
         self._barrier.post(kind, arg)
         if self.is_async:
             for bell in self._doorbells:
@@ -676,6 +717,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             self._pipes[index].send_bytes(message)
         except (BrokenPipeError, ConnectionResetError):
             self._workers[index].join(1.0)
+            if self.on_worker_death == "restart" and self._workers[index].exitcode is not None:
+                return  # the round's wait restarts it (and resends a reset)
             self._check_alive(index)  # raises WorkerDiedError
             raise
 
@@ -713,11 +756,21 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         process = self._workers[index]
         if process.exitcode is not None:
             error = WorkerDiedError(index, self._env_blocks[index], process.exitcode, process.pid)
+            why = self._killed_stuck.pop(index, None)
+            if why is not None:
+                add_note(error, why)
             logger.error("%s", error)
             raise error
 
     def _remote_error(self, errors: list) -> BaseException:
         return _remote_error(errors, self._env_blocks)
+
+    def _note_env_resets(self, infos: dict, env_ids: np.ndarray) -> None:
+        """``on_env_error="reset"``: counts and logs the envs reset after an error."""
+        rows = np.flatnonzero(infos["_env_error"])
+        self._stats_env_resets += len(rows)
+        for row in rows.tolist():
+            logger.warning("env %d was reset after %s", env_ids[row], infos["env_error"][row])
 
     def _count(self, terminations: np.ndarray, truncations: np.ndarray) -> None:
         self._stats_steps += len(terminations)
@@ -729,7 +782,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         Returns a dict: ``steps`` (env steps returned), ``steps_per_s``,
         ``episodes`` (episodes ended), ``main_wait_fraction`` (time the main
         process spent waiting for results), ``worker_busy_fraction`` (per
-        worker: time spent in env code and writing results).
+        worker: time spent in env code and writing results), ``worker_restarts``
+        and ``env_resets`` (envs reset after an exception, ``on_env_error``).
         """
         elapsed = time.perf_counter() - self._stats_started
         busy_ns = self._layout.worker_busy_ns(memoryview(self._segment))
@@ -740,19 +794,115 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             "main_wait_fraction": self._stats_wait_s / elapsed if elapsed > 0 else 0.0,
             "worker_busy_fraction": (busy_ns / 1e9 / elapsed).tolist() if elapsed > 0 else [],
             "elapsed_s": elapsed,
+            "worker_restarts": self._stats_restarts,
+            "env_resets": self._stats_env_resets,
         }
 
     def _wait_done(self, timeout: float | None, name: str) -> None:
-        """Waits for every worker to arrive; raises on timeout or a worker's death."""
+        """Waits for every worker to arrive; raises on timeout or a worker's death.
+
+        With ``on_worker_death="restart"`` a dead worker is replaced and the
+        replacement does its part of the round (``Worker.recover``); the round
+        then ends when every other worker has finished it, whatever the
+        barrier's count (the dead worker may or may not have arrived).
+        """
         self._run_main_worker()
-        self._wait_for(
-            self._barrier.wait_done,
-            timeout,
-            lambda: (
-                f"The call to `{name}` has timed out after {timeout} second(s). "
-                f"Not finished: {self._unfinished_workers()}."
-            ),
+        deadline = None if timeout is None else time.monotonic() + timeout
+        restarted: dict[int, WorkerDiedError] = {}
+
+        def ready(spin_ns: int, budget_ns: int) -> bool:
+            self._kill_stuck_workers(restarted)
+            if restarted:
+                return self._finished_except(restarted, budget_ns)
+            return self._barrier.wait_done(spin_ns, budget_ns)
+
+        while True:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                self._wait_for(
+                    ready,
+                    remaining,
+                    lambda: (
+                        f"The call to `{name}` has timed out after {timeout} second(s). "
+                        f"Not finished: {self._unfinished_workers()}."
+                    ),
+                )
+                break
+            except WorkerDiedError as error:
+                if self.on_worker_death != "restart" or name == "close":
+                    raise
+                self._restart_worker(error.worker)
+                restarted[error.worker] = error
+        if restarted and self._state == AsyncState.WAITING_CALL:
+            error = next(iter(restarted.values()))
+            add_note(error, f"the worker was restarted and its envs reset; `{name}` again")
+            raise error
+
+    def _finished_except(self, restarted: dict, budget_ns: int) -> bool:
+        """True once every worker but the ``restarted`` ones finished this round."""
+        finished = self._layout.worker_finished_generation(memoryview(self._segment))
+        generation = self._barrier.generation
+        others = [i for i in range(self.num_workers) if i not in restarted]
+        deadline = time.monotonic() + budget_ns / 1e9
+        while not all(finished[i] == generation for i in others):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)  # a round with a restart: no need for a futex
+        return True
+
+    def _kill_stuck_workers(self, spared: dict) -> None:
+        """``env_timeout``: kills the workers still in this round past it."""
+        if self.env_timeout is None or time.monotonic() - self._round_started < self.env_timeout:
+            return
+        buffer = memoryview(self._segment)
+        finished = self._layout.worker_finished_generation(buffer)
+        current = self._layout.worker_current_env(buffer)
+        generation = self._barrier.generation
+        for index, process in enumerate(self._workers):
+            if (
+                index in spared
+                or process is self._main_worker
+                or finished[index] == generation
+                or process.exitcode is not None
+            ):
+                continue
+            where = f"env {current[index] - 1}" if current[index] else "its envs"
+            limit = self.env_timeout
+            why = f"killed by shmvec: stuck in {where} for more than env_timeout={limit} s"
+            logger.error("worker %d (pid %d) %s", index, process.pid, why)
+            self._killed_stuck[index] = why
+            process.kill()
+            process.join(1.0)
+
+    def _restart_worker(self, index: int) -> None:
+        """Replaces dead worker ``index``; the new one recovers the current round."""
+        rows = self._env_blocks[index]
+        self._workers[index].join(1.0)
+        self._pipes[index].close()
+        self._stashed[index] = (deque(), deque())
+        self._info_schemas[index] = {}  # the new worker numbers its info columns afresh
+        self._message_flags[index] = 0  # the dead worker's message died with its pipe
+        kind = {AsyncState.WAITING_STEP: STEP, AsyncState.WAITING_RESET: RESET}.get(
+            self._state, CALL
         )
+        self._workers[index], self._pipes[index] = self._start_worker(
+            index, generation=self._barrier.generation, recover=(kind, self._slot)
+        )
+        if kind == RESET:
+            self._send(index, "reset", self._reset_payloads[index])
+            if self._reset_mask is not None:  # its envs are all new: none keeps its obs
+                self._reset_mask[rows.start : rows.stop] = True
+        message = self._recv(index, timeout=None)
+        if "startup_error" in message:
+            exc, tb = message["startup_error"]
+            add_note(exc, f"while restarting shmvec worker {index}; traceback:\n{tb}")
+            raise exc
+        self._recovered[index] = message.get("recovered", {})
+        self._stats_restarts += 1
+        logger.warning(
+            "restarted worker %d (pid %d) for envs %d..%d",
+            index, self._workers[index].pid, rows.start, rows.stop - 1,
+        )  # fmt: skip
 
     def _run_main_worker(self) -> None:
         """With ``step_in_main``: does worker 0's share of what was just asked."""
@@ -802,7 +952,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             self._state = AsyncState.DEFAULT
             self._unfinished_round = True
             raise
-        except WorkerDiedError:
+        except BaseException:  # a dead worker, a failed restart, Ctrl-C
             self._state = AsyncState.DEFAULT
             raise
         self._state = AsyncState.DEFAULT
@@ -813,14 +963,16 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         return messages
 
     def _collect_messages(self) -> dict[int, dict]:
+        """This round's messages, by worker, in worker (so row) order."""
         flags = self._message_flags
-        if not flags.any():
+        if not (flags.any() or self._recovered):
             return {}
-        messages = {}
+        messages = self._recovered
+        self._recovered = {}
         for index in np.flatnonzero(flags).tolist():
             flags[index] = 0
             messages[index] = self._recv(index, timeout=None)
-        return messages
+        return dict(sorted(messages.items()))
 
     def _finish_unfinished_round(self, timeout: float | None = None) -> None:
         """Completes a round whose wait timed out, dropping its results."""
@@ -912,6 +1064,12 @@ def _check_env_fns(env_fns) -> list:
         if not callable(fn):
             raise TypeError(f"env_fns[{i}] is not callable: {fn!r}")
     return env_fns
+
+
+def _check_choice(name: str, value: str, other: str) -> str:
+    if value not in ("raise", other):
+        raise ValueError(f"{name} must be 'raise' or {other!r}, got {value!r}")
+    return value
 
 
 def _check_max_concurrency(value) -> int | None:

@@ -62,6 +62,11 @@ class WorkerSpec:
     # PR_SET_PDEATHSIG fires when the *thread* that forked us exits: only
     # safe when that is the main thread. The watchdog covers the rest.
     use_death_signal: bool
+    on_env_error: str = "raise"  # or "reset": see Worker.truncated_reset
+    # A replacement for a dead worker starts at the round it died in, and
+    # first does Worker.recover(*recover) for that round.
+    generation: int = 0
+    recover: tuple[int, int] | None = None  # (command kind, ring slot)
 
 
 class SegmentFd:
@@ -182,7 +187,10 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
             pickle.dumps({"startup_error": (_safe_exception(exc), traceback.format_exc())})
         )
         return
-    pipe.send_bytes(pickle.dumps({"ready": os.getpid()}))
+    ready = {"ready": os.getpid()}
+    if spec.recover is not None:
+        ready["recovered"] = worker.recover(*spec.recover)
+    _send(pipe, ready)
     try:
         if spec.batch_size < spec.num_envs:
             worker.serve_async()
@@ -242,7 +250,8 @@ class Worker:
         self.autoreset = np.zeros(len(envs), dtype=np.uint8)
         self.rows = range(spec.first_env, spec.first_env + len(envs))
         self.inbox: dict[str, list] = {}  # main's messages read ahead of their turn
-        self.generation = 0
+        self.generation = spec.generation
+        self.on_error = self.truncated_reset if spec.on_env_error == "reset" else None
         if spec.batch_size < spec.num_envs:
             self.doorbell = _worker_loop.WorkerDoorbell(
                 segment.address + self.layout.doorbell_offsets[spec.index]
@@ -301,6 +310,7 @@ class Worker:
             self.autoreset,
             lambda message: _send(self.pipe, message),
             self.current_env,
+            self.on_error,
         )
         return True
 
@@ -376,8 +386,60 @@ class Worker:
             self.autoreset,
             self.info_columns[slot],
             self.current_env,
+            self.on_error,
         )
         return self._message(infos, errors, obs_target, announced)
+
+    def truncated_reset(self, i: int, why: dict | BaseException) -> tuple:
+        """Env ``i`` lost its state (it raised, or its worker died): reset it and
+        report the step as the truncated end of its episode, with ``why`` in the
+        info. The fresh observation stands in for the final one, which is lost
+        (SAME_STEP's ``final_obs`` too); NEXT_STEP resets once more next step.
+        Returns a result as ``Stepper.advance`` does."""
+        if isinstance(why, BaseException):
+            why = {"env_error": f"{type(why).__name__}: {why}"}
+        obs, info = self.envs[i].reset()
+        info = {**info, **why}
+        merged = [info]
+        if self.spec.autoreset_mode == _worker_loop.MODE_SAME_STEP:
+            merged = [{"final_obs": obs, "final_info": info}, info]
+        return obs, 0.0, False, True, merged
+
+    def recover(self, kind: int, slot: int) -> dict:
+        """A replacement worker's first job: its envs are new, so reset them. In a
+        STEP round each reports a truncated episode (``truncated_reset``), in a
+        RESET round the reset asked for (the main process sends it again); both
+        with ``info["worker_restarted"]``."""
+        obs_target = self._obs_target(slot)
+        views = self.slots[slot]
+        views.info_codes[self.rows.start : self.rows.stop] = 0
+        why = {"worker_restarted": True}
+        infos, errors = [], []
+        if kind == RESET:  # the reset asked for, of every env (all are new)
+            seeds, options, mask = self._recv("reset")
+            if mask is not None:
+                seeds = [s if m else None for s, m in zip(seeds, mask)]
+                options = [o if m else None for o, m in zip(options, mask)]
+        for i, row in enumerate(self.rows):
+            try:
+                if kind == STEP:
+                    obs, _, _, _, merged = self.truncated_reset(i, why)
+                    views.rewards[row], views.terminations[row] = 0.0, 0
+                    views.truncations[row] = 1
+                    self.autoreset[i] = 1
+                elif kind == RESET:
+                    obs, info = self.envs[i].reset(seed=seeds[i], options=options[i])
+                    merged = [{**info, **why}]
+                else:
+                    self.envs[i].reset()
+                    continue
+                self.obs_codec.write(obs_target, row, obs)
+                infos.append((row, merged))
+            except Exception as exc:  # noqa: BLE001 - re-raised in the main process
+                errors.append((row, exc, traceback.format_exc()))
+        if kind not in (STEP, RESET):
+            return self._message([], errors, {})
+        return self._message(infos, errors, obs_target)
 
     def _message(self, infos, errors, obs_target, announced=()) -> dict:
         message = {}

@@ -1,0 +1,275 @@
+"""Restart policies: ``on_worker_death="restart"``, ``on_env_error="reset"``,
+``env_timeout``. The envs a failure touched report a truncated episode; every
+other env goes on exactly as SyncVectorEnv's, and no transition is lost.
+
+No test asserts a duration: a hang is caught by pytest-timeout instead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import envs as test_envs
+import numpy as np
+import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from helpers import assert_same
+
+from shmvec import ShmVectorEnv, WorkerDiedError
+
+pytestmark = pytest.mark.timeout(60)
+
+NEXT, SAME, DISABLED = AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED
+
+
+class FailingFactory:
+    """An env_fn that raises."""
+
+    def __call__(self):
+        raise RuntimeError("factory boom")
+
+
+def notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", []))
+
+
+def kill(envs: ShmVectorEnv, index: int) -> None:
+    process = envs._workers[index]
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(5)
+
+
+def assert_rows_equal(got, want, rows) -> None:
+    for name, a, b in zip(("obs", "rewards", "terminations", "truncations"), got, want):
+        assert np.array_equal(a[rows], b[rows]), f"{name}: {a[rows]} != {b[rows]}"
+
+
+# ------------------------------------------------------------- dead workers
+
+
+@pytest.mark.parametrize("mode", [NEXT, SAME])
+def test_restart_replaces_a_dead_worker_and_spares_the_others(mode):
+    fns = test_envs.gym_fns("CartPole-v1", 6)
+    envs = ShmVectorEnv(fns, num_workers=3, on_worker_death="restart", autoreset_mode=mode)
+    sync = SyncVectorEnv(fns, autoreset_mode=mode)
+    others = np.array([0, 1, 4, 5])
+    rng = np.random.default_rng(0)
+    try:
+        assert_same(envs.reset(seed=3), sync.reset(seed=3))
+        old_pid = envs._workers[1].pid
+        for t in range(120):
+            if t == 40:
+                kill(envs, 1)
+            actions = rng.integers(0, 2, 6)
+            got, want = envs.step(actions), sync.step(actions)
+            assert_rows_equal(got, want, others)
+            if t == 40:
+                obs, rewards, terminations, truncations, infos = got
+                restarted = np.array([False, False, True, True, False, False])
+                assert np.array_equal(truncations, restarted | want[3])
+                assert not terminations[2:4].any() and (rewards[2:4] == 0).all()
+                assert np.array_equal(infos["_worker_restarted"], restarted)
+                assert infos["worker_restarted"][2] and infos["worker_restarted"][3]
+                # A fresh CartPole starts within +-0.05 in each coordinate.
+                assert (np.abs(obs[2:4]) <= 0.05).all()
+                if mode == SAME:
+                    assert infos["_final_obs"][2:4].all()
+                    assert np.array_equal(infos["final_obs"][2], obs[2])
+                    assert infos["final_info"]["worker_restarted"][3]
+            if t == 41 and mode == NEXT:
+                # As after any truncation, NEXT_STEP's next step is a reset step.
+                assert (got[1][2:4] == 0).all() and not got[3][2:4].any()
+        new = envs._workers[1]
+        assert new.pid != old_pid and new.exitcode is None
+        assert envs.stats()["worker_restarts"] == 1
+        workers = list(envs._workers)
+    finally:
+        envs.close()
+        sync.close()
+    assert all(p.exitcode is not None for p in workers)
+
+
+def test_restart_during_reset_and_during_call():
+    fns = test_envs.gym_fns("CartPole-v1", 4)
+    envs = ShmVectorEnv(fns, num_workers=2, on_worker_death="restart")
+    try:
+        envs.reset(seed=0)
+        kill(envs, 0)
+        obs, infos = envs.reset(seed=1)
+        assert np.array_equal(infos["_worker_restarted"], [True, True, False, False])
+        want, _ = SyncVectorEnv(fns).reset(seed=1)
+        assert np.array_equal(obs[2:], want[2:])  # worker 1 reset as asked
+        assert obs.shape == (4, 4) and (np.abs(obs) <= 0.05).all()
+
+        kill(envs, 1)
+        with pytest.raises(WorkerDiedError, match=r"worker 1 .*SIGKILL") as error:
+            envs.get_attr("spec")
+        assert "restarted" in notes(error.value)
+        assert [s.id for s in envs.get_attr("spec")] == ["CartPole-v1"] * 4
+        envs.step(np.zeros(4, dtype=np.int64))
+        assert envs.stats()["worker_restarts"] == 2
+    finally:
+        envs.close()
+
+
+def test_random_kills_lose_and_duplicate_no_transition():
+    """Kills random workers at random steps; each env's counter shows every
+    transition exactly once: +1 per step, 0 after a reset or a restart."""
+    n, steps = 8, 400
+    fns = test_envs.class_fns(test_envs.CountingEnv, n, episode_len=25)
+    envs = ShmVectorEnv(fns, num_workers=4, on_worker_death="restart")
+    rng = np.random.default_rng(7)
+    kills = 0
+    try:
+        obs, _ = envs.reset(seed=0)
+        count = obs[:, 0].copy()
+        assert (count == 0).all()
+        ended = np.zeros(n, dtype=bool)
+        transitions = np.zeros(n, dtype=np.int64)
+        for _ in range(steps):
+            if rng.random() < 0.05:
+                kill(envs, int(rng.integers(4)))
+                kills += 1
+            actions = rng.integers(0, 4, n)
+            obs, rewards, terminations, truncations, infos = envs.step(actions)
+            restarted = infos.get("_worker_restarted", np.zeros(n, dtype=bool))
+            for e in range(n):
+                if restarted[e]:
+                    assert obs[e, 0] == 0 and truncations[e] and rewards[e] == 0, e
+                elif ended[e]:  # NEXT_STEP: the step after an end is the reset
+                    assert obs[e, 0] == 0 and rewards[e] == 0, e
+                else:
+                    assert obs[e, 0] == count[e] + 1, (e, obs[e], count[e])
+                    assert obs[e, 1] == actions[e] and rewards[e] == obs[e, 0]
+            transitions += 1
+            count = obs[:, 0].copy()
+            ended = terminations | truncations
+        assert kills >= 10
+        assert envs.stats()["worker_restarts"] == kills
+        assert (transitions == steps).all()
+        assert envs.stats()["steps"] == n * steps
+    finally:
+        envs.close()
+
+
+def test_a_replacement_that_cannot_start_is_an_error():
+    """An env_fn that fails in the replacement: the restart is reported, not retried."""
+    fns = test_envs.class_fns(test_envs.CountingEnv, 2)
+    envs = ShmVectorEnv(fns, num_workers=2, on_worker_death="restart", context="fork")
+    try:
+        envs.reset(seed=0)
+        envs.env_fns[1] = FailingFactory()  # replacements are built from env_fns
+        kill(envs, 1)
+        with pytest.raises(RuntimeError, match="factory boom") as error:
+            envs.step(np.zeros(2, dtype=np.int64))
+        assert "while restarting shmvec worker 1" in notes(error.value)
+    finally:
+        envs.close()
+
+
+# ------------------------------------------------------------- env_timeout
+
+
+@pytest.mark.parametrize("policy", ["restart", "raise"])
+def test_env_timeout_kills_a_stuck_worker(policy):
+    fns = test_envs.class_fns(test_envs.CountingEnv, 4)
+    envs = ShmVectorEnv(fns, num_workers=2, on_worker_death=policy, env_timeout=0.5)
+    try:
+        envs.reset(seed=0)
+        envs.set_attr("delay", [0.0, 0.0, 0.0, 30.0])
+        if policy == "raise":
+            with pytest.raises(WorkerDiedError, match=r"worker 1 .*SIGKILL") as error:
+                envs.step(np.zeros(4, dtype=np.int64))
+            assert "stuck in env 3 for more than env_timeout=0.5 s" in notes(error.value)
+            return
+        obs, rewards, terminations, truncations, infos = envs.step(np.ones(4, dtype=np.int64))
+        assert np.array_equal(truncations, [False, False, True, True])
+        assert np.array_equal(obs[:2], [[1, 1], [1, 1]]) and (obs[2:] == 0).all()
+        assert np.array_equal(infos["_worker_restarted"], [False, False, True, True])
+        # The replacement's envs are new: no delay any more.
+        obs = envs.step(np.ones(4, dtype=np.int64))[0]
+        assert np.array_equal(obs[:, 0], [2, 2, 0, 0])
+    finally:
+        envs.close()
+
+
+# ------------------------------------------------------------- env errors
+
+
+@pytest.mark.parametrize("mode", [NEXT, SAME, DISABLED])
+def test_on_env_error_reset_truncates_that_env_only(mode):
+    envs = ShmVectorEnv(
+        test_envs.indexed_fns(test_envs.FailingEnv, 4, fail_index=1, fail_step=3),
+        num_workers=2,
+        on_env_error="reset",
+        autoreset_mode=mode,
+    )
+    try:
+        envs.reset(seed=0)
+        for t in (1, 2):
+            obs = envs.step(np.full(4, 2))[0]
+            assert (obs[:, 0] == t).all()
+        obs, rewards, terminations, truncations, infos = envs.step(np.full(4, 2))
+        assert np.array_equal(obs[:, 0], [3, 0, 3, 3])
+        assert np.array_equal(truncations, [False, True, False, False])
+        assert rewards[1] == 0 and not terminations.any()
+        assert np.array_equal(infos["_env_error"], [False, True, False, False])
+        assert infos["env_error"][1] == "EnvBoom: step boom in env 1 at step 3"
+        if mode == SAME:
+            assert infos["_final_obs"][1] and np.array_equal(infos["final_obs"][1], obs[1])
+        assert envs.stats()["env_resets"] == 1
+        if mode == DISABLED:
+            envs.reset(options={"reset_mask": truncations})
+        obs = envs.step(np.full(4, 2))[0]
+        expected_env_1 = 0 if mode == NEXT else 1  # NEXT_STEP: the reset step
+        assert np.array_equal(obs[:, 0], [4, expected_env_1, 4, 4])
+        # Resets and calls still raise: there is nothing to truncate.
+        with pytest.raises(test_envs.EnvBoom, match="reset boom"):
+            envs.reset(options={"fail": True})
+    finally:
+        envs.close()
+
+
+def test_on_env_error_reset_in_async_mode():
+    envs = ShmVectorEnv(
+        test_envs.indexed_fns(test_envs.FailingEnv, 4, fail_index=2, fail_step=2),
+        num_workers=2,
+        batch_size=2,
+        on_env_error="reset",
+    )
+    try:
+        envs.async_reset(seed=0)
+        seen = {e: [] for e in range(4)}
+        while len(seen[2]) < 7:  # two of its episodes fail: steps 3 and 6
+            obs, rewards, terminations, truncations, infos = envs.recv()
+            for row, e in enumerate(infos["env_id"].tolist()):
+                error = infos["env_error"][row] if infos.get("_env_error", [0, 0])[row] else None
+                seen[e].append((int(obs[row, 0]), bool(truncations[row]), error))
+            envs.send(np.ones(2, dtype=np.int64), infos["env_id"])
+        assert seen[2][:3] == [
+            (0, False, None),
+            (1, False, None),
+            (0, True, "EnvBoom: step boom in env 2 at step 2"),
+        ]
+        assert all(error is None for e in (0, 1, 3) for _, _, error in seen[e])
+        # Env 2 fails again in each new episode (its second step): each is counted.
+        errors = sum(error is not None for _, _, error in seen[2])
+        assert errors >= 2 and envs.stats()["env_resets"] == errors
+    finally:
+        envs.close()
+
+
+# ------------------------------------------------------------- arguments
+
+
+def test_policy_arguments_are_checked():
+    fns = test_envs.class_fns(test_envs.CountingEnv, 2)
+    with pytest.raises(ValueError, match="on_worker_death must be 'raise' or 'restart'"):
+        ShmVectorEnv(fns, on_worker_death="respawn")
+    with pytest.raises(ValueError, match="on_env_error must be 'raise' or 'reset'"):
+        ShmVectorEnv(fns, on_env_error="ignore")
+    with pytest.raises(ValueError, match="env_timeout must be a positive"):
+        ShmVectorEnv(fns, env_timeout=0)
+    with pytest.raises(ValueError, match="need batch_size == num_envs"):
+        ShmVectorEnv(fns, batch_size=1, on_worker_death="restart")
