@@ -94,6 +94,18 @@ struct PyDoorbell {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "shmvec's C++ core: shared segment, futexes and the step barrier.";
 
+  // A refused syscall (memfd_create, mmap, futex) is an OSError with its errno,
+  // so that Python can tell it from a bug.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::system_error& e) {
+      py::object error = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(PyExc_OSError, "is", e.code().value(), e.what()));
+      PyErr_SetObject(PyExc_OSError, error.ptr());
+    }
+  });
+
   py::class_<Segment>(m, "Segment", py::buffer_protocol(), R"doc(
 A shared-memory segment (anonymous memfd, mapped MAP_SHARED).
 
@@ -102,6 +114,8 @@ from it; `close_fd()` only drops the fd.
 )doc")
       .def_static("create", &Segment::create, py::arg("size"),
                   "Creates a zero-filled segment of `size` bytes.")
+      .def_static("create_private", &Segment::create_private, py::arg("size"),
+                  "A segment private to this process (no fd), for the serial fallback.")
       .def_static("attach", &Segment::attach, py::arg("fd"),
                   "Maps the segment behind `fd` and checks its header.")
       .def_property_readonly("size", &Segment::size)

@@ -25,6 +25,15 @@ void* map_shared(int fd, size_t size) {
   return addr;
 }
 
+void write_header(void* addr, size_t size) {
+  auto* header = static_cast<SegmentHeader*>(addr);
+  header->magic = kSegmentMagic;
+  header->version = kSegmentVersion;
+  header->header_size = sizeof(SegmentHeader);
+  header->total_size = size;
+  header->creator_pid = uint32_t(getpid());
+}
+
 }  // namespace
 
 Segment Segment::create(size_t size) {
@@ -46,13 +55,19 @@ Segment Segment::create(size_t size) {
     ::close(fd);
     throw;
   }
-  auto* header = static_cast<SegmentHeader*>(addr);
-  header->magic = kSegmentMagic;
-  header->version = kSegmentVersion;
-  header->header_size = sizeof(SegmentHeader);
-  header->total_size = size;
-  header->creator_pid = uint32_t(getpid());
+  write_header(addr, size);
   return Segment(addr, size, fd);
+}
+
+Segment Segment::create_private(size_t size) {
+  if (size < sizeof(SegmentHeader)) {
+    throw std::invalid_argument("segment smaller than its header");
+  }
+  void* addr =
+      mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (addr == MAP_FAILED) throw_errno("mmap of a private shmvec segment");
+  write_header(addr, size);
+  return Segment(addr, size, -1);
 }
 
 Segment Segment::attach(int fd) {

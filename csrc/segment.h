@@ -35,6 +35,9 @@ class Segment {
   // Creates and maps a zero-filled segment of `size` bytes (header included).
   // Throws std::system_error when the kernel refuses (no memfd, no memory).
   static Segment create(size_t size);
+  // The same, mapped MAP_PRIVATE | MAP_ANONYMOUS with no fd: for envs that all
+  // run in the main process (the serial fallback), where nothing is shared.
+  static Segment create_private(size_t size);
   // Maps the segment behind `fd` (which the caller keeps owning) and checks
   // its header. Throws std::system_error or std::runtime_error.
   static Segment attach(int fd);

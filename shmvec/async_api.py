@@ -134,6 +134,8 @@ class AsyncRollouts:
                 raise ValueError("send() needs env_ids: no recv() has returned any yet")
             env_ids = self._last_env_ids
         env_ids = self._check_env_ids(env_ids)
+        if self.validate_actions:
+            self._check_actions(actions, env_ids.tolist())
         self._action_codec.write_rows(self._action_views, env_ids, actions)
         self._start_envs(env_ids, _worker_loop.ENV_STEP)
 

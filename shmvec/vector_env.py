@@ -30,7 +30,7 @@ import numpy as np
 from gymnasium import logger as gym_logger
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector.async_vector_env import AsyncState
-from gymnasium.vector.utils import batch_differing_spaces, batch_space
+from gymnasium.vector.utils import batch_differing_spaces, batch_space, iterate
 from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
 
 from shmvec import _core, _worker_loop
@@ -114,6 +114,14 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         env_timeout: seconds a worker may take for one ``step``/``reset``; a
             worker past it is killed and treated as dead under
             ``on_worker_death``. Sync mode only; None (default): no limit.
+        fallback: ``"serial"``: if the kernel refuses what workers need (no
+            memfd, futexes forbidden by a sandbox, no process can be started),
+            log a warning saying why and run every env in the main process
+            (as ``num_workers=0``). None (default): a RuntimeError says why.
+        validate_actions: if True, ``step``/``send`` check every action against
+            ``single_action_space`` (bounds, NaN in a Box, Discrete range) and
+            raise a ValueError naming the envs before any env steps. Off by
+            default, as in gymnasium: envs get what they are given.
         step_in_main: if True, the main process steps the first block of envs
             itself, in ``step_wait``/``recv``, while the workers step theirs:
             ``num_workers - 1`` processes are started and the main process's
@@ -152,6 +160,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         on_env_error: str = "raise",
         env_timeout: float | None = None,
         step_in_main: bool = False,
+        fallback: str | None = None,
+        validate_actions: bool = False,
     ) -> None:
         self.closed = True  # until the workers are up; close() is then a no-op
         env_fns = _check_env_fns(env_fns)
@@ -193,12 +203,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             raise ValueError(
                 f"num_workers must be between 0 and num_envs={self.num_envs}, got {num_workers}"
             )
-        # num_workers=0: one worker, run in this process (see InProcessWorker);
-        # step_in_main: worker 0 runs in this process, the others are processes.
-        self.in_process = num_workers == 0
-        self.step_in_main = self.in_process or bool(step_in_main)
-        self.num_workers = max(num_workers, 1)
-        self._env_blocks = _split_blocks(self.num_envs, self.num_workers)
+        self._spin_ns = spin_ns
+        self._configure_workers(num_workers, step_in_main)
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
         if not 1 <= self.batch_size <= self.num_envs:
             raise ValueError(
@@ -212,8 +218,6 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             # See csrc/result_ring.h: enough slots that a claim never overruns.
             ring_depth = max(ring_depth, -(-self.num_envs // self.batch_size) + 1)
         self.ring_depth = ring_depth
-        processes = self.num_workers - 1 if self.step_in_main else self.num_workers
-        self._spin = default_spin(processes) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
         self._obs_codec = make_codec(self.single_observation_space, shared_memory)
         self._action_codec = make_codec(self.single_action_space)
         self._pickled_actions = PickledCodec(self.single_action_space)
@@ -242,7 +246,6 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._stats_started = time.perf_counter()
         self._state = AsyncState.DEFAULT
         self._unfinished_round = False
-        self._info_schemas: list[dict] = [{} for _ in range(self.num_workers)]
         self._pickled_obs: list | None = None  # last obs of each env, pickled spaces
         self._sync_reset_pending = False  # async_reset() in sync mode: recv() waits for it
         self._slot = 0
@@ -251,10 +254,35 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._pipes: list = []
         self._stashed: list[tuple[deque, deque]] = []
         self._segment = None
-        self._start(env_fns)
+        if fallback not in (None, "serial"):
+            raise ValueError(f"fallback must be None or 'serial', got {fallback!r}")
+        self.fallback = fallback
+        self.validate_actions = bool(validate_actions)
+        try:
+            self._start(env_fns)
+        except _SetupError as error:
+            if fallback != "serial":
+                raise RuntimeError(
+                    f"{error}. Pass fallback='serial' to run every env in the main process instead."
+                ) from error.__cause__
+            logger.warning("%s: running every env in the main process (fallback='serial')", error)
+            self._configure_workers(0, True)
+            self._start(env_fns)
         self.closed = False
 
     # ------------------------------------------------------------------ setup
+
+    def _configure_workers(self, num_workers: int, step_in_main: bool) -> None:
+        # num_workers=0: one worker, run in this process (see InProcessWorker);
+        # step_in_main: worker 0 runs in this process, the others are processes.
+        self.in_process = num_workers == 0
+        self.step_in_main = self.in_process or bool(step_in_main)
+        self.num_workers = max(num_workers, 1)
+        self._env_blocks = _split_blocks(self.num_envs, self.num_workers)
+        processes = self.num_workers - 1 if self.step_in_main else self.num_workers
+        spin_ns = self._spin_ns
+        self._spin = default_spin(processes) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
+        self._info_schemas: list[dict] = [{} for _ in range(self.num_workers)]
 
     def _set_observation_spaces(self, dummy_env: gym.Env, observation_mode) -> None:
         if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
@@ -282,12 +310,15 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _start(self, env_fns: list) -> None:
         self._layout = make_layout(self._worker_spec(0, 0, []))
+        self._workers, self._pipes, self._stashed, self._main_worker = [], [], [], None
         try:
-            self._segment = _core.Segment.create(self._layout.total_bytes)
+            self._segment = _create_segment(self._layout.total_bytes, private=self.in_process)
             buffer = memoryview(self._segment)
             self._barrier = _core.StepBarrier(
                 self._segment, self._layout.barrier_offset, self.num_workers
             )
+            if not self.in_process:
+                _probe_futex(self._segment, self._layout.barrier_offset)
             self._message_flags = self._layout.worker_words(buffer)
             self._action_views = self._layout.action_views(buffer)
             self._slots = [self._layout.slot_views(buffer, k) for k in range(self.ring_depth)]
@@ -351,7 +382,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             name=f"shmvec-worker-{index}",
             daemon=self.daemon,
         )
-        process.start()
+        try:
+            process.start()
+        except OSError as exc:  # no fork/exec in this sandbox, too many processes...
+            raise _SetupError(f"shmvec cannot start worker processes: {exc}") from exc
         logger.info(
             "started worker %d (pid %d, %s) for envs %d..%d",
             index, process.pid, ctx.get_start_method(), rows.start, rows.stop - 1,
@@ -520,6 +554,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         by_value = write and (
             self._action_codec.pickled or not self._action_codec.is_exact(actions)
         )
+        if write and self.validate_actions:
+            self._check_actions(actions, range(self.num_envs))
         if by_value:
             per_env = [None] * self.num_envs
             self._pickled_actions.write_batch(per_env, actions)
@@ -764,6 +800,22 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _remote_error(self, errors: list) -> BaseException:
         return _remote_error(errors, self._env_blocks)
+
+    def _check_actions(self, actions: Any, env_ids) -> None:
+        """``validate_actions``: a ValueError naming the envs whose action is not
+        in the action space."""
+        space = self.single_action_space
+        bad = []
+        for env, action in zip(env_ids, iterate(self.action_space, actions)):
+            if isinstance(space, gym.spaces.Box):  # float64 for a float32 Box is fine
+                action = np.asarray(action).astype(space.dtype, casting="same_kind")
+            if not space.contains(action):
+                bad.append(f"env {env}: {action!r}")
+        if bad:
+            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise ValueError(
+                f"actions outside the action space {space}: {'; '.join(bad[:5])}{more}"
+            )
 
     def _note_env_resets(self, infos: dict, env_ids: np.ndarray) -> None:
         """``on_env_error="reset"``: counts and logs the envs reset after an error."""
@@ -1047,6 +1099,26 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._workers = []
         if self._segment is not None:
             self._segment.close_fd()
+
+
+class _SetupError(Exception):
+    """The kernel refused what the workers need; ``fallback="serial"`` does without."""
+
+
+def _create_segment(size: int, private: bool):
+    """The segment; private (no fd, nothing shared) when every env runs here."""
+    try:
+        return _core.Segment.create_private(size) if private else _core.Segment.create(size)
+    except OSError as exc:  # no memfd (old kernel, seccomp), no memory
+        raise _SetupError(f"shmvec cannot create its shared-memory segment: {exc}") from exc
+
+
+def _probe_futex(segment, offset: int) -> None:
+    """One futex wake on a segment word: a sandbox may forbid futexes."""
+    try:
+        _core.futex_wake(segment, offset, 1)
+    except OSError as exc:
+        raise _SetupError(f"shmvec cannot use futexes here: {exc}") from exc
 
 
 def _check_env_fns(env_fns) -> list:

@@ -1245,3 +1245,50 @@ def test_text_longer_than_its_space_is_an_error_naming_the_env():
         assert envs.step(np.zeros(2, dtype=np.int64))[0] == ("ab", "ab")
     finally:
         envs.close()
+
+
+# ------------------------------------------------------------- validate_actions
+
+
+def test_validate_actions_names_the_envs_before_any_env_steps():
+    fns = [lambda: gym.make("MountainCarContinuous-v0")] * 4  # Box(-1, 1, (1,), float32)
+    envs = ShmVectorEnv(fns, num_workers=2, validate_actions=True)
+    try:
+        envs.reset(seed=0)
+        before = envs.get_attr("state")
+        actions = np.array([[0.5], [np.nan], [0.0], [3.0]])  # float64 is fine, NaN/3 are not
+        with pytest.raises(ValueError, match=r"outside the action space Box.*env 1: .*nan.*env 3"):
+            envs.step(actions)
+        assert all(np.array_equal(a, b) for a, b in zip(envs.get_attr("state"), before))
+        obs = envs.step(np.zeros((4, 1)))[0]  # in bounds: steps
+        assert obs.shape == (4, 2)
+    finally:
+        envs.close()
+
+
+def test_validate_actions_discrete_and_async_send():
+    envs = ShmVectorEnv(
+        test_envs.gym_fns("CartPole-v1", 4), num_workers=2, batch_size=2, validate_actions=True
+    )
+    try:
+        envs.async_reset(seed=0)
+        ids = envs.recv()[4]["env_id"]
+        with pytest.raises(ValueError, match=rf"env {ids[1]}: .*2"):
+            envs.send(np.array([1, 2]), ids)
+        envs.send(np.array([1, 0]), ids)  # still awaiting: nothing was sent
+        assert envs.recv()[0].shape == (2, 4)
+    finally:
+        envs.close()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the env checker sees the NaN
+def test_without_validate_actions_out_of_bounds_reach_the_env_as_in_gymnasium():
+    fns = [lambda: gym.make("MountainCarContinuous-v0")] * 2
+    envs, sync = ShmVectorEnv(fns, num_workers=2), SyncVectorEnv(fns)
+    try:
+        assert_same(envs.reset(seed=1), sync.reset(seed=1))
+        actions = np.array([[np.nan], [5.0]], dtype=np.float32)
+        assert_same(envs.step(actions), sync.step(actions))
+    finally:
+        envs.close()
+        sync.close()
