@@ -78,4 +78,3 @@ def test_num_workers_0_needs_no_shared_memory(monkeypatch):
         assert envs.step(np.zeros(2, dtype=np.int64))[0].shape == (2, 4)
     finally:
         envs.close()
-
