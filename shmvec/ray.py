@@ -54,7 +54,7 @@ from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
 
 try:
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import GetTimeoutError, RayActorError
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import (
         NodeAffinitySchedulingStrategy,
@@ -795,17 +795,16 @@ class RayVectorEnv(VectorEnv):
         ``recover(k, error)`` gives actor ``k``'s result after its death, under the
         restart policy; without it a death is an ``ActorDiedError``.
         """
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
-        if len(ready) < len(refs):
-            done = set(ready)
-            late = [k for k, ref in refs.items() if ref not in done]
+        try:
+            return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout)))
+        except GetTimeoutError:
+            done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
+            late = [k for k, ref in refs.items() if ref not in set(done)]
             self._stale = list(refs.values())
             raise multiprocessing.TimeoutError(
                 f"The call has timed out after {timeout} second(s). Not finished: "
                 + ", ".join(f"actor {k} (envs {self._describe_rows(k)})" for k in late)
-            )
-        try:
-            return dict(zip(refs, ray.get(list(refs.values()))))
+            ) from None
         except Exception:  # noqa: BLE001 - attributed to its actor below
             pass
         results = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import multiprocessing
 import time
 
 import envs as test_envs
@@ -218,6 +219,20 @@ def test_env_error_names_its_actor(local_ray):
         assert "shmvec Ray actor 1 (envs 2..3)" in "\n".join(info.value.__notes__)
         obs, _ = envs.reset(seed=0)  # usable again
         assert obs.shape == (4, 2)
+    finally:
+        envs.close()
+
+
+def test_step_wait_timeout_names_the_late_actor(local_ray):
+    slow = functools.partial(test_envs.CountingEnv, delay=0.3)
+    envs = make_ray_env([test_envs.CountingEnv, slow])
+    try:
+        envs.reset(seed=0)
+        envs.step_async(np.zeros(2, dtype=np.int64))
+        with pytest.raises(multiprocessing.TimeoutError, match="actor 1 \\(envs 1..1\\)"):
+            envs.step_wait(timeout=0.05)
+        obs, *_ = envs.step(np.ones(2, dtype=np.int64))  # the late results are dropped
+        assert obs.tolist() == [[2, 1], [2, 1]]
     finally:
         envs.close()
 
