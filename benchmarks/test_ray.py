@@ -56,16 +56,19 @@ def rows(request) -> Iterator[list[Row]]:
     results: list[Row] = []
     yield results
     ray.shutdown()
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None or not results:
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is None or capture is None or not results:
         return
-    reporter.write_sep("-", f"RayVectorEnv vs a local ShmVectorEnv, same run ({cores} cores)")
-    for row in results:
-        ratio = row.extra_info.get("vs_shmvec")
-        reporter.write_line(
-            f"{row.group:<22} {row.backend:<18} {row.num_envs:>4} envs "
-            f"{row.steps_per_s:>10,.0f} steps/s" + (f"  vs_shmvec={ratio}" if ratio else "")
-        )
+    with capture.global_and_fixture_disabled():  # teardown output is captured otherwise
+        reporter.write_line("")
+        reporter.write_sep("-", f"RayVectorEnv vs a local ShmVectorEnv, same run ({cores} cores)")
+        for row in results:
+            ratio = row.extra_info.get("vs_shmvec")
+            reporter.write_line(
+                f"{row.group:<22} {row.backend:<18} {row.num_envs:>4} envs "
+                f"{row.steps_per_s:>10,.0f} steps/s" + (f"  vs_shmvec={ratio}" if ratio else "")
+            )
 
 
 def open_env(backend: str, workload: str, num_envs: int):

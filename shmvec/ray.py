@@ -226,7 +226,8 @@ class RayVectorEnv(VectorEnv):
             ``ray.nodes()``) with ``NodeAffinitySchedulingStrategy``; no placement group.
         actor_options: extra ``ActorClass.options(...)``, e.g. ``{"resources":
             {"env_node": 1}}`` to schedule only on nodes started with that custom
-            resource, or ``{"runtime_env": ...}``.
+            resource (``ray start --resources='{"env_node": 8}'``; the placement
+            group's bundles ask for it too), or ``{"runtime_env": ...}``.
         vector_kwargs: keyword arguments of each actor's ``ShmVectorEnv``
             (``num_workers``, ``context``, ``spin_ns``...). Default ``copy=False``: the
             actor's results are copied into the object store anyway.
@@ -298,14 +299,12 @@ class RayVectorEnv(VectorEnv):
         if on_actor_death == "restart":
             options.update(max_restarts=max_restarts, max_task_retries=0)
         try:
-            strategies = self._schedule(placement_strategy, node_ids, num_cpus_per_actor)
+            bundle = {"CPU": num_cpus_per_actor, **options.get("resources", {})}
+            strategies = self._schedule(placement_strategy, node_ids, bundle)
             for k, rows in enumerate(self.actor_env_ids):
-                handle = RemoteEnvActor.options(
-                    scheduling_strategy=strategies[k], **options
-                ).remote(
-                    k, rows, env_fns[rows.start : rows.stop], self.autoreset_mode, vector_kwargs
-                )
-                self.actors.append(handle)
+                actor = RemoteEnvActor.options(scheduling_strategy=strategies[k], **options)
+                block = env_fns[rows.start : rows.stop]
+                self.actors.append(actor.remote(k, rows, block, self.autoreset_mode, vector_kwargs))
             described = self._started()
         except BaseException:
             self._release()
@@ -337,13 +336,13 @@ class RayVectorEnv(VectorEnv):
             )
         return self.batch_size // block
 
-    def _schedule(self, strategy: str | None, node_ids, num_cpus: float) -> list:
-        """One Ray scheduling strategy per actor."""
+    def _schedule(self, strategy: str | None, node_ids, bundle: dict[str, float]) -> list:
+        """One Ray scheduling strategy per actor; ``bundle``: the resources of one."""
         if node_ids is not None:
             return [NodeAffinitySchedulingStrategy(node, soft=False) for node in node_ids]
         if strategy is None:
             return ["DEFAULT"] * self.num_actors
-        bundles = [{"CPU": num_cpus}] * self.num_actors
+        bundles = [bundle] * self.num_actors
         self.placement_group = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([self.placement_group.ready()], timeout=STARTUP_TIMEOUT_S)
         if not ready:

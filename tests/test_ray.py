@@ -56,7 +56,7 @@ class RaySession:
         self.stop()
         node = {"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES}
         self.cluster = cluster_utils.Cluster(initialize_head=True, head_node_args=node)
-        self.cluster.add_node(**node)
+        self.cluster.add_node(**node, resources={"env_node": 2})
         ray.init(address=self.cluster.address, **RAY_ARGS)
         self.cluster.wait_for_nodes()
         self.kind = "cluster"
@@ -349,8 +349,9 @@ def kill_and_wait(actor) -> None:
 
 
 def test_actors_spread_over_nodes_or_pinned(session):
-    """Two simulated nodes: SPREAD puts one actor on each; node_ids pins both to one.
-    Batches cross nodes through Ray's object store."""
+    """Two simulated nodes: SPREAD puts one actor on each; node_ids, or a custom
+    resource only one node has, puts both on that one. Batches cross nodes through
+    Ray's object store."""
     cluster = session.two_nodes()
     nodes = [node.node_id for node in cluster.list_all_nodes()]
     assert len(nodes) == 2
@@ -375,6 +376,16 @@ def test_actors_spread_over_nodes_or_pinned(session):
         assert obs.shape == (2, 4)
     finally:
         pinned.close()
+    env_nodes = RayVectorEnv(
+        test_envs.gym_fns("CartPole-v1", 2),
+        num_actors=2,
+        num_cpus_per_actor=0.5,
+        actor_options={"resources": {"env_node": 1}},
+    )
+    try:
+        assert env_nodes.actor_node_ids == [nodes[1], nodes[1]]
+    finally:
+        env_nodes.close()
     started = time.monotonic()
     session.stop()
     assert time.monotonic() - started < 30
