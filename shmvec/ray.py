@@ -70,10 +70,16 @@ from shmvec.vector_env import ShmVectorEnv
 
 __all__ = ["ActorDiedError", "RayVectorEnv"]
 
+#: Ray's error for an actor that is restarting (Ray >= 2.30; older Rays wait instead).
+_UNAVAILABLE = getattr(ray.exceptions, "ActorUnavailableError", ())
+
 logger = logging.getLogger("shmvec")
 
 #: How long the constructor waits for the placement group and the actors' envs.
 STARTUP_TIMEOUT_S = 120.0
+#: How long a restarted actor may take to answer again, and how often it is asked.
+RESTART_TIMEOUT_S = 60.0
+RESTART_POLL_S = 0.1
 #: How long close() gives the actors to close their envs before killing them.
 CLOSE_GRACE_S = 5.0
 #: ``infos`` key set (with its ``_actor_restarted`` mask) on the rows of a restarted actor.
@@ -327,9 +333,13 @@ class RayVectorEnv(VectorEnv):
         """The number of actor batches one ``recv()`` returns."""
         if self.batch_size == self.num_envs:
             return self.num_actors
+        if not 1 <= self.batch_size <= self.num_envs:
+            raise ValueError(
+                f"batch_size must be between 1 and num_envs={self.num_envs}, got {self.batch_size}"
+            )
         sizes = {len(rows) for rows in self.actor_env_ids}
         block = len(self.actor_env_ids[0])
-        if len(sizes) != 1 or not 0 < self.batch_size < self.num_envs or self.batch_size % block:
+        if len(sizes) != 1 or self.batch_size % block:
             raise ValueError(
                 f"batch_size < num_envs needs equal actor blocks and a multiple of them: "
                 f"blocks of {sorted(sizes)} envs, batch_size={self.batch_size}"
@@ -501,7 +511,6 @@ class RayVectorEnv(VectorEnv):
         for k in self._idle_actors(ids, "async_reset"):
             rows = self.actor_env_ids[k]
             args = (seeds[rows.start : rows.stop], per_actor[k], None)
-            self._reset_args[k] = args
             self._pending[self.actors[k].reset.remote(*args)] = (k, "reset")
         self._was_reset = True
 
@@ -553,23 +562,17 @@ class RayVectorEnv(VectorEnv):
                 f"recv() waits for batch_size={self.batch_size} results but only {running} "
                 "envs are running: send() actions first"
             )
-        deadline = None if timeout is None else time.monotonic() + timeout
+        ready, _ = ray.wait(list(self._pending), num_returns=need, timeout=timeout)
+        if len(ready) < need:
+            raise multiprocessing.TimeoutError(
+                f"The call to `recv` has timed out after {timeout} second(s): "
+                f"{len(ready)} of {need} actor batches are ready"
+            )
         actors, batches = [], []
-        while len(batches) < need:
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            ready, _ = ray.wait(list(self._pending), num_returns=need - len(batches),
-                                timeout=remaining)  # fmt: skip
-            if len(ready) < need - len(batches):
-                raise multiprocessing.TimeoutError(
-                    f"The call to `recv` has timed out after {timeout} second(s): "
-                    f"{len(ready) + len(batches)} of {need} actor batches are ready"
-                )
-            for ref in ready:
-                k, kind = self._pending.pop(ref)
-                batch = self._async_result(k, kind, ref)
-                if batch is not None:
-                    actors.append(k)
-                    batches.append(batch)
+        for ref in ready:
+            k, kind = self._pending.pop(ref)
+            actors.append(k)
+            batches.append(self._async_result(k, kind, ref))
         obs, rewards, terminations, truncations, infos = self._join(
             batches, actors, self.batch_size
         )
@@ -578,17 +581,14 @@ class RayVectorEnv(VectorEnv):
         self._last_env_ids = env_ids
         return obs, rewards, terminations, truncations, infos
 
-    def _async_result(self, k: int, kind: str, ref) -> tuple | None:
-        """Actor ``k``'s batch from ``ref``; None if the actor died and the restarted
-        actor's ``recover()`` is now pending instead."""
+    def _async_result(self, k: int, kind: str, ref) -> tuple:
+        """Actor ``k``'s batch from ``ref`` (of a ``"reset"`` or a ``"step"``)."""
         try:
             result = self._get(k, ref)
         except (RayActorError, ActorDiedError) as exc:
-            if self.on_actor_death != "restart" or kind == "recover":
+            if self.on_actor_death != "restart":
                 raise self._died(k, exc) from exc
-            self._restart(k, exc)
-            self._pending[self.actors[k].recover.remote()] = (k, "recover")
-            return None
+            return self._recover(k, exc)
         if kind == "reset":
             obs, infos = result
             n = len(self.actor_env_ids[k])
@@ -851,14 +851,27 @@ class RayVectorEnv(VectorEnv):
             ray.kill(self.actors[k], no_restart=False)
 
     def _redo_reset(self, k: int, exc: BaseException) -> tuple:
-        """Sync-mode reset after actor ``k`` died: the same reset on the restarted actor."""
+        """A reset after actor ``k`` died: the same reset on the restarted actor."""
         self._restart(k, exc)
-        return self._gather({k: self.actors[k].reset.remote(*self._reset_args[k])})[k]
+        return self._call_restarted(k, "reset", *self._reset_args[k])
 
     def _recover(self, k: int, exc: BaseException) -> tuple:
-        """Sync-mode step after actor ``k`` died: its envs, new, report truncated."""
+        """A step after actor ``k`` died: its envs, new, report truncated."""
         self._restart(k, exc)
-        return self._gather({k: self.actors[k].recover.remote()})[k]
+        return self._call_restarted(k, "recover")
+
+    def _call_restarted(self, k: int, method: str, *args: Any) -> Any:
+        """Calls ``method`` of actor ``k`` once Ray has restarted it. A call can land
+        while Ray still reconnects to the new actor (``ActorUnavailableError``): it is
+        retried for up to ``RESTART_TIMEOUT_S``; any other failure is an ActorDiedError."""
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:
+            try:
+                return self._get(k, getattr(self.actors[k], method).remote(*args))
+            except (RayActorError, ActorDiedError) as exc:
+                if not isinstance(exc, _UNAVAILABLE) or time.monotonic() > deadline:
+                    raise self._died(k, exc) from exc
+                time.sleep(RESTART_POLL_S)
 
     def _join(self, batches: list[tuple], actors: list[int], rows: int) -> tuple:
         """Actor batches, in the order given, as one batch of ``rows`` rows."""

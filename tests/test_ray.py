@@ -247,7 +247,7 @@ def test_env_id_and_killed_actor(local_ray):
         assert envs.num_envs == 4
         assert envs.single_observation_space.shape == (4,)
         envs.reset(seed=0)
-        ray.kill(envs.actors[1])
+        kill_for_good(envs.actors[1])
         with pytest.raises(ActorDiedError, match="actor 1 \\(envs 2..3\\) died") as info:
             envs.step(np.zeros(4, dtype=np.int64))
         assert isinstance(info.value, WorkerDiedError)
@@ -329,6 +329,19 @@ def test_restarted_actor_in_async_mode(local_ray):
         )
     finally:
         envs.close()
+
+
+def kill_for_good(actor) -> None:
+    """ray.kill, returning once the actor is dead (a call sent at once may still run)."""
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.describe.remote())
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers after 30 s")
 
 
 def kill_and_wait(actor) -> None:
