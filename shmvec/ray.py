@@ -21,7 +21,7 @@ Example:
     >>> from shmvec.ray import RayVectorEnv
     >>> _ = ray.init(num_cpus=2, include_dashboard=False)  # doctest: +SKIP
     >>> envs = RayVectorEnv("CartPole-v1", num_actors=2, envs_per_actor=4)  # doctest: +SKIP
-    >>> obs, infos = envs.reset(seed=0)  # env i gets seed i, whichever actor runs it
+    >>> obs, infos = envs.reset(seed=0)  # doctest: +SKIP
     >>> obs.shape  # doctest: +SKIP
     (8, 4)
     >>> envs.close()  # doctest: +SKIP
