@@ -30,6 +30,12 @@ class WorkerDiedError(RuntimeError):
         self.worker = worker
         self.env_ids = env_ids
         self.exitcode = exitcode
+        self.pid = pid
+
+    def __reduce__(self):
+        # Pickled with its arguments (Ray and multiprocessing carry it across
+        # processes), and with its notes.
+        return (type(self), (self.worker, self.env_ids, self.exitcode, self.pid), self.__dict__)
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -429,3 +429,15 @@ def test_wrong_observation_shape_names_the_env(kind):
 def test_worker_died_error_is_exported():
     assert shmvec.WorkerDiedError is WorkerDiedError
     assert issubclass(WorkerDiedError, RuntimeError)
+
+
+def test_worker_died_error_pickles_with_its_fields_and_notes():
+    import pickle
+
+    error = WorkerDiedError(1, range(2, 4), -signal.SIGKILL, 4321)
+    shmvec.errors.add_note(error, "the worker was restarted")
+    copy = pickle.loads(pickle.dumps(error))
+    assert str(copy) == str(error)
+    assert str(error) == "shmvec worker 1 (pid 4321, envs 2..3) killed by signal SIGKILL"
+    assert (copy.worker, copy.env_ids, copy.exitcode, copy.pid) == (1, range(2, 4), -9, 4321)
+    assert copy.__notes__ == ["the worker was restarted"]
