@@ -66,7 +66,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from shmvec.errors import WorkerDiedError, add_note
-from shmvec.vector_env import ShmVectorEnv
+from shmvec.vector_env import ShmVectorEnv, expand_options, expand_seeds
 
 __all__ = ["ActorDiedError", "RayVectorEnv"]
 
@@ -219,6 +219,9 @@ class RayVectorEnv(VectorEnv):
         batch_size: with ``batch_size < num_envs``, the async mode: ``recv()`` returns
             the first ``batch_size // envs_per_actor`` actor batches that are ready.
             It must be a multiple of the (then equal) block size.
+        group_size: envs ``g*k .. g*k+g-1`` form group ``k`` across actors, as in
+            ``ShmVectorEnv``: ``reset(seed=s)`` gives them all seed ``s + k``, and list
+            seeds/options may have one entry per group.
         on_actor_death: ``"raise"``: a dead actor is an ``ActorDiedError`` naming it and
             its envs. ``"restart"``: Ray restarts it (up to ``max_restarts`` times), its
             envs are created and reset again and report ``truncated`` with
@@ -258,6 +261,7 @@ class RayVectorEnv(VectorEnv):
         num_cpus_per_actor: float = 1.0,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
         batch_size: int | None = None,
+        group_size: int = 1,
         on_actor_death: str = "raise",
         max_restarts: int = 3,
         placement_strategy: str | None = "SPREAD",
@@ -276,6 +280,9 @@ class RayVectorEnv(VectorEnv):
             raise ValueError(f"node_ids needs one node per actor ({num_actors}), got {node_ids}")
         self.num_envs = len(env_fns)
         self.num_actors = num_actors
+        if group_size < 1 or self.num_envs % group_size:
+            raise ValueError(f"group_size must divide num_envs={self.num_envs}, got {group_size}")
+        self.group_size = group_size
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.on_actor_death = on_actor_death
         self.actor_env_ids = _split_blocks(self.num_envs, num_actors)
@@ -752,28 +759,14 @@ class RayVectorEnv(VectorEnv):
             )
 
     def _expand_seeds(self, seed: int | list[int | None] | None) -> list:
-        if seed is None:
-            return [None] * self.num_envs
-        if isinstance(seed, int):
-            return [seed + i for i in range(self.num_envs)]
-        seeds = list(seed)
-        if len(seeds) != self.num_envs:
-            raise ValueError(
-                "If seeds are passed as a list the length must match "
-                f"num_envs={self.num_envs} but got length={len(seeds)}."
-            )
-        return seeds
+        return expand_seeds(seed, self.num_envs, self.group_size)
 
     def _split_options(self, options: Any) -> list:
-        """Each actor's options: the same dict, or its slice of a per-env list."""
+        """Each actor's options: the same dict, or its slice of the per-env list."""
         if options is None or isinstance(options, dict):
             return [options] * self.num_actors
-        if not isinstance(options, (list, tuple)) or len(options) != self.num_envs:
-            raise ValueError(
-                "options must be a dict, None, or a list with one entry per env "
-                f"({self.num_envs}), got {options!r}"
-            )
-        return [list(options[slice(*self._span(k))]) for k in range(self.num_actors)]
+        per_env = expand_options(options, self.num_envs, self.group_size)
+        return [per_env[slice(*self._span(k))] for k in range(self.num_actors)]
 
     def _finish(self, timeout: float | None, recover: Callable[[int, BaseException], Any]) -> dict:
         """Ends the pending sync-mode call: each actor's result, by actor."""

@@ -484,49 +484,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         return self.reset_wait()
 
     def _expand_seeds(self, seed) -> list:
-        """One seed per env; envs of a group share theirs."""
-        n, g = self.num_envs, self.group_size
-        if seed is None:
-            return [None] * n
-        if isinstance(seed, int):
-            return [seed + i // g for i in range(n)]
-        seeds = list(seed)
-        return self._per_env(
-            seeds,
-            lambda expected: (
-                "If seeds are passed as a list the length must match "
-                f"num_envs={expected} but got length={len(seeds)}."
-            ),
-        )
+        return expand_seeds(seed, self.num_envs, self.group_size)
 
     def _expand_options(self, options) -> list:
-        """One options dict (or None) per env; envs of a group share theirs."""
-        if options is None or isinstance(options, dict):
-            return [options] * self.num_envs
-        if not isinstance(options, (list, tuple)):
-            raise TypeError(f"options must be a dict, a list of dicts or None, got {options!r}")
-        for i, entry in enumerate(options):
-            if entry is not None and not isinstance(entry, dict):
-                raise TypeError(f"options[{i}] must be a dict or None, got {entry!r}")
-        return self._per_env(
-            list(options),
-            lambda expected: (
-                "options as a list needs one entry per env: expected "
-                f"{expected}, got {len(options)}"
-            ),
-        )
-
-    def _per_env(self, values: list, message: Callable[[str], str]) -> list:
-        """``values`` with one entry per env, or per group (then expanded to its envs);
-        any other length is a ValueError with ``message(expected lengths)``."""
-        n, g = self.num_envs, self.group_size
-        if g > 1 and len(values) == n // g:
-            return [values[i // g] for i in range(n)]
-        if len(values) != n:
-            raise ValueError(
-                message(f"{n} (or num_envs / group_size = {n // g})" if g > 1 else str(n))
-            )
-        return values
+        return expand_options(options, self.num_envs, self.group_size)
 
     # ------------------------------------------------------------------- step
 
@@ -1099,6 +1060,55 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._workers = []
         if self._segment is not None:
             self._segment.close_fd()
+
+
+def expand_seeds(seed, num_envs: int, group_size: int = 1) -> list:
+    """One seed per env from an int (env ``i`` gets ``seed + i // group_size``), a
+    list with one per env or per group, or None; envs of a group share theirs."""
+    if seed is None:
+        return [None] * num_envs
+    if isinstance(seed, int):
+        return [seed + i // group_size for i in range(num_envs)]
+    seeds = list(seed)
+    return _per_env(
+        seeds,
+        num_envs,
+        group_size,
+        lambda expected: (
+            "If seeds are passed as a list the length must match "
+            f"num_envs={expected} but got length={len(seeds)}."
+        ),
+    )
+
+
+def expand_options(options, num_envs: int, group_size: int = 1) -> list:
+    """One options dict (or None) per env from a dict, None, or a list with one
+    per env or per group; envs of a group share theirs."""
+    if options is None or isinstance(options, dict):
+        return [options] * num_envs
+    if not isinstance(options, (list, tuple)):
+        raise TypeError(f"options must be a dict, a list of dicts or None, got {options!r}")
+    for i, entry in enumerate(options):
+        if entry is not None and not isinstance(entry, dict):
+            raise TypeError(f"options[{i}] must be a dict or None, got {entry!r}")
+    return _per_env(
+        list(options),
+        num_envs,
+        group_size,
+        lambda expected: (
+            f"options as a list needs one entry per env: expected {expected}, got {len(options)}"
+        ),
+    )
+
+
+def _per_env(values: list, n: int, g: int, message: Callable[[str], str]) -> list:
+    """``values`` with one entry per env, or per group (then expanded to its envs);
+    any other length is a ValueError with ``message(expected lengths)``."""
+    if g > 1 and len(values) == n // g:
+        return [values[i // g] for i in range(n)]
+    if len(values) != n:
+        raise ValueError(message(f"{n} (or num_envs / group_size = {n // g})" if g > 1 else str(n)))
+    return values
 
 
 class _SetupError(Exception):

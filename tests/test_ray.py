@@ -208,6 +208,24 @@ def test_call_get_attr_set_attr(local_ray):
         envs.close()
 
 
+def test_groups_share_seed_and_options_across_actors(local_ray):
+    """Group 1 is envs 2..3, split over actors 0 and 1: both get seed s + 1."""
+    fns = test_envs.gym_fns("CartPole-v1", 6)
+    envs = make_ray_env(fns, num_actors=3, group_size=2)
+    try:
+        obs, _ = envs.reset(seed=7)
+        want, _ = SyncVectorEnv(fns).reset(seed=[7, 7, 8, 8, 9, 9])
+        assert np.array_equal(obs, want)
+        obs, _ = envs.reset(seed=[1, 2, 3])  # one seed per group
+        assert np.array_equal(obs, SyncVectorEnv(fns).reset(seed=[1, 1, 2, 2, 3, 3])[0])
+        with pytest.raises(ValueError, match="num_envs / group_size = 3"):
+            envs.reset(seed=[1, 2])
+        with pytest.raises(ValueError, match="group_size must divide num_envs=6"):
+            make_ray_env(fns, num_actors=3, group_size=4)
+    finally:
+        envs.close()
+
+
 def test_env_error_names_its_actor(local_ray):
     envs = make_ray_env(test_envs.indexed_fns(test_envs.FailingEnv, 4, fail_index=3))
     try:
