@@ -211,6 +211,7 @@ exposed for tests; the workers call them from Cython.
           py::arg("slot"), py::arg("spin_ns"), py::arg("timeout_ns"),
           "True once the slot is full, False on timeout.")
       .def("filled", [](PyRing& r, uint32_t slot) { return r.ring.filled(slot); })
+      .def("claimed", [](PyRing& r) { return r.ring.claimed(); })
       .def("release", [](PyRing& r, uint32_t slot) { r.ring.release(slot); });
 
   py::class_<PyDoorbell>(m, "Doorbell", "A worker's doorbell (csrc/result_ring.h).")

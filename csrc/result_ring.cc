@@ -39,6 +39,10 @@ uint32_t ResultRing::filled(uint32_t slot) const noexcept {
   return filled_[slot].value.load(std::memory_order_acquire);
 }
 
+uint64_t ResultRing::claimed() const noexcept {
+  return header_->claimed.load(std::memory_order_acquire);
+}
+
 void ResultRing::release(uint32_t slot) noexcept {
   filled_[slot].value.store(0, std::memory_order_release);
 }

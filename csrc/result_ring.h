@@ -64,6 +64,8 @@ class ResultRing {
   WaitStatus wait_full(uint32_t slot, int64_t spin_ns, int64_t timeout_ns) noexcept;
   // [main] Rows of `slot` published so far.
   uint32_t filled(uint32_t slot) const noexcept;
+  // [main] Rows claimed so far, all slots and laps together.
+  uint64_t claimed() const noexcept;
   // [main] Hands a consumed slot back to the workers.
   void release(uint32_t slot) noexcept;
 

@@ -326,6 +326,17 @@ cdef class WorkerRing:
     def __dealloc__(self):
         del self.ring
 
+    def claim(self):
+        """(slot, row) of the next free row (a replacement worker's recovery)."""
+        cdef RowRef ref
+        with nogil:
+            ref = self.ring.claim()
+        return ref.slot, ref.row
+
+    def publish(self, uint32_t slot):
+        with nogil:
+            self.ring.publish(slot)
+
 
 # Env commands of the async engine (one uint8 per env in the segment).
 ENV_IDLE = 0
@@ -347,6 +358,8 @@ def step_pending(
     object send_message,
     uint32_t[::1] current_env,
     object on_error=None,
+    uint8_t[::1] restarted=None,
+    object restart=None,
 ):
     """Async mode: runs every env of the block that has a command, in env order.
 
@@ -360,6 +373,12 @@ def step_pending(
     A row whose info opened new info columns carries ``info_columns`` in its
     message, so the main process learns them before it decodes that row.
     ``on_error`` is as in ``step_envs``, for steps (a failed reset is an error).
+    After a restart (``on_worker_death="restart"``), an env whose ``restarted``
+    flag is set reports ``restart(i, command)`` for its first command instead.
+
+    ``current_env[0]`` is set before an env's command is cleared, and back to 0
+    only when the block is done, so that the main process can tell a worker
+    with nothing left to do (its envs' commands clear, ``current_env`` 0).
     """
     cdef Py_ssize_t i, env_id
     cdef uint8_t command
@@ -371,12 +390,15 @@ def step_pending(
         command = commands[i]
         if command == ENV_IDLE:
             continue
-        commands[i] = ENV_IDLE  # before the publish: main may send again right after
         env_id = first_env + i
         current_env[0] = env_id + 1
+        commands[i] = ENV_IDLE  # before the publish: main may send again right after
         error = None
         try:
-            if command == ENV_RESET:
+            if restarted is not None and restarted[i]:
+                restarted[i] = 0
+                result = restart(i, command)
+            elif command == ENV_RESET:
                 seed, options = take_reset_args(env_id)
                 obs, info = envs[i].reset(seed=seed, options=options)
                 result = (obs, 0.0, False, False, [info] if info else None)

@@ -31,6 +31,9 @@ also runs in sync mode.
 
 from __future__ import annotations
 
+import logging
+import pickle
+import time
 from typing import Any
 
 import numpy as np
@@ -38,6 +41,15 @@ from gymnasium.vector.vector_env import VectorEnv
 
 from shmvec import _core, _worker_loop
 from shmvec import infos as info_columns
+from shmvec.errors import WorkerDiedError, add_note
+
+logger = logging.getLogger("shmvec")
+
+#: How often recv() checks that every worker lives, when it does not have to wait.
+LIVENESS_CHECK_S = 0.1
+
+#: ``env_ids`` of a ring row that no worker has written since main released it.
+UNWRITTEN = -1
 
 
 class _BatchInfos:
@@ -70,6 +82,14 @@ class AsyncRollouts:
         self._recv_slot = 0
         self._held_slot: int | None = None
         self._last_env_ids: np.ndarray | None = None
+        # For on_worker_death="restart": rows consumed so far (claims before this
+        # one are done with), each env's last command and reset arguments.
+        self._consumed_rows = 0
+        self._liveness_checked = time.monotonic()
+        self._env_command = np.zeros(self.num_envs, dtype=np.uint8)
+        self._env_reset_args: dict[int, tuple] = {}
+        for views in self._slots:
+            views.env_ids[:] = UNWRITTEN
 
     @property
     def is_async(self) -> bool:
@@ -109,8 +129,9 @@ class AsyncRollouts:
         per_env = self._expand_options(options)
         workers = self._env_worker[ids]
         for index in np.unique(workers).tolist():
-            mine = ids[workers == index].tolist()
-            self._send(index, "reset", {e: (seeds[e], per_env[e]) for e in mine})
+            args = {e: (seeds[e], per_env[e]) for e in ids[workers == index].tolist()}
+            self._env_reset_args.update(args)
+            self._send(index, "reset", args)
         self._start_envs(ids, _worker_loop.ENV_RESET)
         self._was_reset = True
 
@@ -160,6 +181,7 @@ class AsyncRollouts:
 
     def _start_envs(self, env_ids: np.ndarray, command: int) -> None:
         self._env_commands[env_ids] = command
+        self._env_command[env_ids] = command
         self._awaiting[env_ids] = False
         workers = np.bincount(self._env_worker[env_ids], minlength=self.num_workers)
         for index in np.flatnonzero(workers).tolist():
@@ -199,14 +221,25 @@ class AsyncRollouts:
             )
         if self._held_slot is not None:
             self._before_slot_reuse(self._held_slot)
+            self._slots[self._held_slot].env_ids[:] = UNWRITTEN
             self._ring.release(self._held_slot)
             self._held_slot = None
         slot = self._recv_slot
-        self._run_main_worker()
-        self._wait_slot(slot, timeout)
         views = self._slots[slot]
-        env_ids = views.env_ids.astype(np.int64)
-        messages = self._row_messages(slot, views, env_ids)
+        messages: dict[int, dict] = {}
+        while True:
+            try:
+                self._check_workers_now_and_then()
+                self._run_main_worker()
+                self._wait_slot(slot, timeout)
+                env_ids = views.env_ids.astype(np.int64)
+                self._row_messages(slot, views, env_ids, messages)
+                break
+            except WorkerDiedError as error:
+                if self.on_worker_death != "restart":
+                    raise
+                self._restart_async_worker(error.worker)
+        self._consumed_rows += self.batch_size
         self._awaiting[env_ids] = True
         self._last_env_ids = env_ids
         self._held_slot = slot
@@ -221,6 +254,15 @@ class AsyncRollouts:
             self._note_env_resets(infos, env_ids)
         infos["env_id"] = env_ids
         return (obs, *self._slot_outcomes(views), infos)
+
+    def _check_workers_now_and_then(self) -> None:
+        """Notices a dead worker even while the others keep filling the batches
+        (its envs would starve silently): every ``LIVENESS_CHECK_S``."""
+        now = time.monotonic()
+        if now - self._liveness_checked >= LIVENESS_CHECK_S:
+            self._liveness_checked = now
+            for index in range(self.num_workers):
+                self._check_alive(index)
 
     def _recv_sync(self, timeout: float | None):
         if self._sync_reset_pending:
@@ -244,10 +286,12 @@ class AsyncRollouts:
             ),
         )
 
-    def _row_messages(self, slot: int, views, env_ids: np.ndarray) -> dict[int, dict]:
-        """The pickled messages of the rows that have one, by row."""
-        messages = {}
+    def _row_messages(self, slot: int, views, env_ids: np.ndarray, messages: dict) -> None:
+        """Adds to ``messages`` those of the rows that have one, by row (after a
+        worker's restart, the rows it still lacks)."""
         for row in np.flatnonzero(views.messages).tolist():
+            if row in messages:
+                continue
             index = int(self._env_worker[env_ids[row]])
             message = self._recv(index, timeout=None, row=True)
             if message["row"] != (slot, row):
@@ -257,7 +301,129 @@ class AsyncRollouts:
                 )
             self._info_schemas[index].update(message.get("info_columns", ()))
             messages[row] = message
-        return messages
+
+    # ---------------------------------------------------------------- restart
+
+    def _restart_async_worker(self, dead: int) -> None:
+        """``on_worker_death="restart"`` in async mode: replaces worker ``dead`` so
+        that each of its envs still running delivers exactly one result.
+
+        Once the other workers have done all they were given, the ring tells
+        what the dead worker left: rows it published (their messages are read
+        from its pipe, which outlives it), at most one row it claimed but never
+        published (a hole that would keep its slot from filling), and at most
+        one env whose command it took but whose row it never claimed. The
+        replacement fills the hole or claims a row for that env, and every other
+        env of its block reports a truncated episode for its next command.
+        """
+        self._workers[dead].join(1.0)
+        self._drain_pipe(dead)
+        self._pipes[dead].close()
+        self._quiesce(dead)
+        plan = self._recovery_plan(dead)
+        rows = self._env_blocks[dead]
+        self._workers[dead], self._pipes[dead] = self._start_worker(
+            dead,
+            generation=self._barrier.generation,
+            recover=("async", plan),
+            info_schema=dict(self._info_schemas[dead]),
+        )
+        running = [e for e in rows if not self._awaiting[e]]
+        resets = {e: self._env_reset_args[e] for e in running if e in self._env_reset_args}
+        if resets:
+            self._send(dead, "reset", resets)
+        message = self._recv(dead, timeout=None)
+        if "startup_error" in message:
+            exc, tb = message["startup_error"]
+            add_note(exc, f"while restarting shmvec worker {dead}; traceback:\n{tb}")
+            raise exc
+        self._doorbells[dead].ring()
+        self._stats_restarts += 1
+        logger.warning(
+            "restarted worker %d (pid %d) for envs %d..%d",
+            dead, self._workers[dead].pid, rows.start, rows.stop - 1,
+        )  # fmt: skip
+
+    def _drain_pipe(self, index: int) -> None:
+        """Reads what worker ``index`` has sent, without waiting, into its stashes."""
+        pipe = self._pipes[index]
+        try:
+            while pipe.poll(0):
+                message = pickle.loads(pipe.recv_bytes())
+                self._stashed[index]["row" in message].append(message)
+        except (EOFError, OSError):
+            pass
+
+    def _quiesce(self, dead: int) -> None:
+        """Waits until every worker but ``dead`` has finished every env it was
+        given (their commands clear, none in an env), reading their pipes so
+        that none blocks on a full one."""
+        current = self._layout.worker_current_env(memoryview(self._segment))
+        while True:
+            self._run_main_worker()
+            busy = [
+                index
+                for index, rows in enumerate(self._env_blocks)
+                if index != dead
+                and (current[index] or self._env_commands[rows.start : rows.stop].any())
+            ]
+            if not busy:
+                return
+            for index in busy:
+                self._check_alive(index)
+                self._drain_pipe(index)
+            time.sleep(0.0002)
+
+    def _recovery_plan(self, dead: int) -> dict[int, tuple]:
+        """What the replacement of ``dead`` must deliver: env -> (how, slot, row,
+        command), ``how`` one of "hole", "claim", "rewrite" (Worker.recover_async)."""
+        batch, slots = self.batch_size, self._layout.num_slots
+        first, claimed = self._consumed_rows, self._ring.claimed()
+        where: dict[int, tuple[int, int]] = {}  # env -> its unconsumed row
+        unwritten, last_of_dead, per_slot = [], None, {}
+        for n in range(first, claimed):
+            slot, row = (n // batch) % slots, n % batch
+            per_slot[slot] = per_slot.get(slot, 0) + 1
+            env = int(self._slots[slot].env_ids[row])
+            if env == UNWRITTEN:
+                unwritten.append((slot, row))
+            else:
+                where[env] = (slot, row)
+                if env in self._env_blocks[dead]:
+                    last_of_dead = env
+        holes = (claimed - first) - sum(self._ring.filled(s) for s in per_slot)
+        if holes not in (0, 1) or len(unwritten) > holes:
+            raise RuntimeError(
+                f"shmvec internal error: {holes} unpublished rows, {len(unwritten)} unwritten, "
+                f"after worker {dead} died"
+            )
+        hole_env, hole = None, None
+        if holes:  # the dead worker's last claim
+            hole = unwritten[0] if unwritten else where.pop(last_of_dead)
+            hole_env = None if unwritten else last_of_dead
+        plan = {}
+        for env in self._env_blocks[dead]:
+            command = int(self._env_command[env])
+            if self._awaiting[env] or self._env_commands[env]:
+                continue  # idle, or not started: the replacement's first command does it
+            if env == hole_env:
+                plan[env] = ("hole", *hole, command)
+            elif env in where:
+                slot, row = where[env]
+                if self._slots[slot].messages[row] and not any(
+                    m["row"] == (slot, row) for m in self._stashed[dead][True]
+                ):
+                    plan[env] = ("rewrite", slot, row, command)  # its message was lost
+            else:
+                plan[env] = ("claim", 0, 0, command)
+        if hole is not None and hole_env is None:
+            claims = [env for env, how in plan.items() if how[0] == "claim"]
+            if len(claims) != 1:
+                raise RuntimeError(
+                    f"shmvec internal error: an unwritten row and envs {claims} without one"
+                )
+            plan[claims[0]] = ("hole", *hole, plan[claims[0]][3])
+        return plan
 
     def _read_rows_obs(self, views, messages: dict[int, dict]) -> Any:
         if self._obs_codec.pickled:

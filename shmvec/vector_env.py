@@ -106,7 +106,9 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             OOM kill) is a ``WorkerDiedError``. ``"restart"``: it is started
             again, its envs are re-created and reset, and in that step they
             report ``truncated`` with ``infos["worker_restarted"]``; the other
-            envs are unaffected. Sync mode only (``batch_size == num_envs``).
+            envs are unaffected. In async mode each env that was running
+            delivers one result; the others report a truncated episode for
+            their next command.
         on_env_error: ``"raise"`` (default): an exception in an env is raised
             here. ``"reset"``: the env is reset and its step reports
             ``truncated`` with ``infos["env_error"]`` (the exception's type and
@@ -231,10 +233,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         if env_timeout is not None and not env_timeout > 0:
             raise ValueError(f"env_timeout must be a positive number of seconds, got {env_timeout}")
         self.env_timeout = env_timeout
-        if self.is_async and (on_worker_death == "restart" or env_timeout is not None):
-            raise ValueError(
-                "on_worker_death='restart' and env_timeout need batch_size == num_envs"
-            )
+        if self.is_async and env_timeout is not None:
+            raise ValueError("env_timeout needs batch_size == num_envs")
         self._killed_stuck: dict[int, str] = {}  # worker -> why shmvec killed it
         self._recovered: dict[int, dict] = {}  # messages of replacement workers
         self._reset_payloads: dict[int, tuple] = {}  # the last reset of each worker
@@ -844,7 +844,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             except WorkerDiedError as error:
                 if self.on_worker_death != "restart" or name == "close":
                     raise
-                self._restart_worker(error.worker)
+                if self.is_async:
+                    self._restart_async_worker(error.worker)
+                else:
+                    self._restart_worker(error.worker)
                 restarted[error.worker] = error
         if restarted and self._state == AsyncState.WAITING_CALL:
             error = next(iter(restarted.values()))

@@ -66,7 +66,10 @@ class WorkerSpec:
     # A replacement for a dead worker starts at the round it died in, and
     # first does Worker.recover(*recover) for that round.
     generation: int = 0
-    recover: tuple[int, int] | None = None  # (command kind, ring slot)
+    # Sync mode: (command kind, ring slot). Async mode: ("async", plan), see
+    # Worker.recover_async.
+    recover: tuple | None = None
+    info_schema: dict | None = None  # the dead worker's info columns, kept
 
 
 class SegmentFd:
@@ -188,7 +191,9 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
         )
         return
     ready = {"ready": os.getpid()}
-    if spec.recover is not None:
+    if spec.recover is not None and spec.recover[0] == "async":
+        worker.recover_async(spec.recover[1])
+    elif spec.recover is not None:
         ready["recovered"] = worker.recover(*spec.recover)
     _send(pipe, ready)
     try:
@@ -242,7 +247,8 @@ class Worker:
         self.stepper = _worker_loop.Stepper(self.action_codec, self.obs_codec, spec.autoreset_mode)
         self.action_views = self.layout.action_views(buffer)
         self.slots = [self.layout.slot_views(buffer, k) for k in range(self.layout.num_slots)]
-        self.info_schema: dict = {}  # info key -> column, shared by all slots
+        # info key -> column, shared by all slots (a replacement keeps its predecessor's)
+        self.info_schema: dict = dict(spec.info_schema or {})
         self.info_columns = [
             _worker_loop.InfoColumns(self.info_schema, s.info_codes, s.info_cells)
             for s in self.slots
@@ -261,6 +267,7 @@ class Worker:
             )
             self.commands = self.layout.env_commands(buffer)[self.rows.start : self.rows.stop]
             self.reset_args: dict = {}
+            self.restarted = np.zeros(len(envs), dtype=np.uint8)  # see recover_async
 
     def serve(self) -> None:
         """Sync mode: one barrier round per command."""
@@ -311,6 +318,8 @@ class Worker:
             lambda message: _send(self.pipe, message),
             self.current_env,
             self.on_error,
+            self.restarted,
+            self.restart_result,
         )
         return True
 
@@ -404,6 +413,46 @@ class Worker:
         if self.spec.autoreset_mode == _worker_loop.MODE_SAME_STEP:
             merged = [{"final_obs": obs, "final_info": info}, info]
         return obs, 0.0, False, True, merged
+
+    def restart_result(self, i: int, command: int) -> tuple:
+        """The result env ``i`` reports for its first command after a restart (async
+        mode): a reset as asked, or a truncated episode, both with
+        ``info["worker_restarted"]``."""
+        why = {"worker_restarted": True}
+        if command == _worker_loop.ENV_RESET:
+            seed, options = self._take_reset_args(self.rows.start + i)
+            obs, info = self.envs[i].reset(seed=seed, options=options)
+            return obs, 0.0, False, False, [{**info, **why}]
+        return self.truncated_reset(i, why)
+
+    def recover_async(self, plan: dict) -> None:
+        """A replacement's first job in async mode. ``plan`` maps each env of the
+        block whose result died with the old worker to ``(how, slot, row,
+        command)``: ``"claim"`` a new row, fill the ``"hole"`` (slot, row) the old
+        worker claimed but never published, or ``"rewrite"`` a published row whose
+        message was lost. Every other env reports ``restart_result`` for its
+        next command (``restarted``)."""
+        for env_id, (how, slot, row, command) in plan.items():
+            i = env_id - self.rows.start
+            result = self.restart_result(i, command)
+            if how == "claim":
+                slot, row = self.ring.claim()
+            views = self.slots[slot]
+            obs_target = self._obs_target(slot)
+            self.obs_codec.write(obs_target, row, result[0])
+            views.rewards[row], views.terminations[row] = result[1], result[2]
+            views.truncations[row] = result[3]
+            views.info_codes[row] = 0
+            views.env_ids[row], views.messages[row] = env_id, 1
+            self.autoreset[i] = 1 if result[3] else 0
+            if how != "rewrite":
+                self.ring.publish(slot)
+            message = {"row": (slot, row), "infos": [(row, result[4])]}
+            if self.obs_codec.pickled:
+                message["obs"] = obs_target
+            _send(self.pipe, message)
+        for i, env_id in enumerate(self.rows):
+            self.restarted[i] = env_id not in plan
 
     def recover(self, kind: int, slot: int) -> dict:
         """A replacement worker's first job: its envs are new, so reset them. In a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import envs as test_envs
 import numpy as np
@@ -168,6 +169,137 @@ def test_a_replacement_that_cannot_start_is_an_error():
         envs.close()
 
 
+class Transitions:
+    """Checks an async run of CountingEnvs result by result: each env's counter
+    goes +1 per step, 0 after a reset or a restart; counts what each env got."""
+
+    def __init__(self, n: int) -> None:
+        self.last: dict[int, tuple] = {}
+        self.action_sent: dict[int, int] = {}
+        self.sent = np.zeros(n, dtype=np.int64)
+        self.received = np.zeros(n, dtype=np.int64)
+        self.restarted: set[int] = set()  # envs that delivered a worker_restarted result
+
+    def check(self, obs, rewards, terminations, truncations, infos) -> None:
+        restarted = infos.get("_worker_restarted", np.zeros(len(obs), dtype=bool))
+        for row, e in enumerate(infos["env_id"].tolist()):
+            self.received[e] += 1
+            if e not in self.last:  # its reset (by a replacement or not)
+                assert obs[row, 0] == 0 and not truncations[row], (e, obs[row])
+            elif restarted[row]:  # a fresh env ends the episode its worker lost
+                assert obs[row, 0] == 0 and truncations[row] and rewards[row] == 0, e
+                self.restarted.add(e)
+            elif self.last[e][1]:  # NEXT_STEP: the step after an end is the reset
+                assert obs[row, 0] == 0 and rewards[row] == 0, (e, obs[row])
+            else:
+                assert obs[row, 0] == self.last[e][0] + 1, (e, obs[row], self.last[e])
+                assert obs[row, 1] == self.action_sent[e]
+            self.last[e] = (obs[row, 0], terminations[row] or truncations[row])
+
+    def step(self, envs: ShmVectorEnv, rng) -> np.ndarray:
+        """recv(), check, send random actions back; the env ids."""
+        result = envs.recv()
+        self.check(*result)
+        ids = result[4]["env_id"]
+        actions = rng.integers(0, 4, len(ids))
+        envs.send(actions, ids)
+        for e, a in zip(ids.tolist(), actions.tolist()):
+            self.action_sent[e], self.sent[e] = a, self.sent[e] + 1
+        return ids
+
+    def drain(self, envs: ShmVectorEnv) -> None:
+        """Receives every result still due; then each env got one per action, plus
+        its reset."""
+        for _ in range(envs.num_envs // envs.batch_size):
+            self.check(*envs.recv())
+        assert np.array_equal(self.received, self.sent + 1), (self.received, self.sent)
+
+
+@pytest.mark.parametrize("step_in_main", [False, True], ids=["workers", "main-too"])
+def test_async_random_kills_lose_and_duplicate_no_transition(step_in_main):
+    """Async mode: every env's results, counted and checked against its counter,
+    show each transition once, whichever worker died while it ran."""
+    n, batch = 8, 4
+    fns = test_envs.class_fns(test_envs.CountingEnv, n, episode_len=25)
+    envs = ShmVectorEnv(
+        fns, num_workers=4, batch_size=batch, on_worker_death="restart", step_in_main=step_in_main
+    )
+    rng = np.random.default_rng(11)
+    run, kills, t = Transitions(n), 0, 0
+    try:
+        envs.async_reset(seed=0)
+        while True:
+            alive = all(p.exitcode is None for p in envs._workers)
+            if t >= 300 and kills >= 10 and alive:  # deaths are noticed within 0.1 s
+                break
+            t += 1
+            if alive and rng.random() < 0.07:  # one death at a time (see README)
+                kill(envs, int(rng.integers(1 if step_in_main else 0, 4)))
+                kills += 1
+            run.step(envs, rng)
+        run.drain(envs)
+        assert kills >= 10
+        assert envs.stats()["worker_restarts"] == kills
+    finally:
+        envs.close()
+
+
+class Suicide:
+    """SIGKILLs its own process when numpy converts it (an observation being
+    written into its ring row) or when it is pickled (an info being sent)."""
+
+    def __array__(self, dtype=None, copy=None):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DiesWhenTold(test_envs.CountingEnv):
+    """A CountingEnv whose worker dies in its next step once ``die`` is set:
+    ``"step"`` inside the step (before its row is claimed), ``"obs"`` while its
+    row is written (claimed, not published), ``"info"`` while its message is
+    sent (published, message lost)."""
+
+    die = ""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.die == "step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.die == "obs":
+            obs = Suicide()
+        if self.die == "info":
+            info = {"note": Suicide()}
+        return obs, reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("where", ["step", "obs", "info"])
+def test_async_restart_wherever_the_worker_dies(where):
+    """The three states a dying worker can leave its last env in: no row yet,
+    a claimed row never published (a hole in its slot), a published row whose
+    message never came. The env still delivers exactly one result."""
+    n, batch = 6, 2
+    envs = ShmVectorEnv(
+        [DiesWhenTold] * n, num_workers=3, batch_size=batch, on_worker_death="restart"
+    )
+    rng = np.random.default_rng(3)
+    run = Transitions(n)
+    try:
+        envs.async_reset(seed=0)
+        for t in range(60):
+            if t == 20:
+                envs.set_attr("die", [""] * 3 + [where] + [""] * 2)
+            if t == 30:
+                time.sleep(0.2)  # past LIVENESS_CHECK_S: the next recv notices
+            run.step(envs, rng)  # the replacement's envs are new: they live on
+        run.drain(envs)
+        assert envs.stats()["worker_restarts"] == 1
+        assert 3 in run.restarted  # its lost step came back as a truncation
+    finally:
+        envs.close()
+
+
 # ------------------------------------------------------------- env_timeout
 
 
@@ -271,5 +403,5 @@ def test_policy_arguments_are_checked():
         ShmVectorEnv(fns, on_env_error="ignore")
     with pytest.raises(ValueError, match="env_timeout must be a positive"):
         ShmVectorEnv(fns, env_timeout=0)
-    with pytest.raises(ValueError, match="need batch_size == num_envs"):
-        ShmVectorEnv(fns, batch_size=1, on_worker_death="restart")
+    with pytest.raises(ValueError, match="env_timeout needs batch_size == num_envs"):
+        ShmVectorEnv(fns, batch_size=1, env_timeout=1.0)
