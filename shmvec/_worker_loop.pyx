@@ -10,6 +10,7 @@ modes, what goes into infos) are the same as in ``SyncVectorEnv.step``.
 from libc.errno cimport errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memset
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from numpy import ndarray as _ndarray
 from numpy import shape as _shape
@@ -360,6 +361,7 @@ def step_pending(
     object on_error=None,
     uint8_t[::1] restarted=None,
     object restart=None,
+    uint64_t[::1] env_started=None,
 ):
     """Async mode: runs every env of the block that has a command, in env order.
 
@@ -379,7 +381,10 @@ def step_pending(
     ``current_env[0]`` is set before an env's command is cleared, and back to 0
     only when the block is done, so that the main process can tell a worker
     with nothing left to do (its envs' commands clear, ``current_env`` 0).
+    ``env_started[0]`` gets the CLOCK_MONOTONIC time each env begins
+    (``env_timeout``).
     """
+    cdef timespec now
     cdef Py_ssize_t i, env_id
     cdef uint8_t command
     cdef RowRef ref
@@ -391,6 +396,9 @@ def step_pending(
         if command == ENV_IDLE:
             continue
         env_id = first_env + i
+        if env_started is not None:
+            clock_gettime(CLOCK_MONOTONIC, &now)
+            env_started[0] = <uint64_t>now.tv_sec * 1000000000 + <uint64_t>now.tv_nsec
         current_env[0] = env_id + 1
         commands[i] = ENV_IDLE  # before the publish: main may send again right after
         error = None

@@ -261,6 +261,7 @@ class AsyncRollouts:
         now = time.monotonic()
         if now - self._liveness_checked >= LIVENESS_CHECK_S:
             self._liveness_checked = now
+            self._kill_stuck_workers()
             for index in range(self.num_workers):
                 self._check_alive(index)
 
@@ -276,8 +277,12 @@ class AsyncRollouts:
         return result
 
     def _wait_slot(self, slot: int, timeout: float | None) -> None:
+        def ready(spin_ns: int, budget_ns: int) -> bool:
+            self._kill_stuck_workers()
+            return self._ring.wait_full(slot, spin_ns, budget_ns)
+
         self._wait_for(
-            lambda spin_ns, budget_ns: self._ring.wait_full(slot, spin_ns, budget_ns),
+            ready,
             timeout,
             lambda: (
                 f"The call to `recv` has timed out after {timeout} second(s): "

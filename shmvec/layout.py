@@ -402,7 +402,8 @@ class SegmentLayout:
         """uint32 per worker, 1 when a pickled message follows its round.
 
         Each worker's cache line: this flag (bytes 0..3), the env it is stepping
-        (4..7), busy nanoseconds (8..15), its last finished generation (16..19).
+        (4..7), busy nanoseconds (8..15), its last finished generation (16..19),
+        when it began its current env (24..31, async mode).
         """
         return self._worker_u32(buffer, 0)
 
@@ -425,13 +426,21 @@ class SegmentLayout:
 
     def worker_busy_ns(self, buffer) -> np.ndarray:
         """uint64 per worker: nanoseconds it spent serving commands (its own line)."""
+        return self._worker_u64(buffer, 1)
+
+    def worker_env_started_ns(self, buffer) -> np.ndarray:
+        """uint64 per worker (async mode): CLOCK_MONOTONIC ns when it began its
+        current env (``env_timeout``)."""
+        return self._worker_u64(buffer, 3)
+
+    def _worker_u64(self, buffer, column: int) -> np.ndarray:
         words = np.ndarray(
             (self.num_workers, CACHE_LINE // 8),
             np.uint64,
             buffer=buffer,
             offset=self.worker_words_offset,
         )
-        return words[:, 1]
+        return words[:, column]
 
     def env_commands(self, buffer) -> np.ndarray:
         """uint8 per env (async mode): what the env's worker must do next."""

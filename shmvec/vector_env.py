@@ -113,9 +113,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             here. ``"reset"``: the env is reset and its step reports
             ``truncated`` with ``infos["env_error"]`` (the exception's type and
             message); resets and ``call`` still raise.
-        env_timeout: seconds a worker may take for one ``step``/``reset``; a
-            worker past it is killed and treated as dead under
-            ``on_worker_death``. Sync mode only; None (default): no limit.
+        env_timeout: seconds a worker may take for one ``step``/``reset`` (sync
+            mode: of its whole block; async mode: of one env); a worker past it
+            is killed and treated as dead under ``on_worker_death``. None
+            (default): no limit.
         fallback: ``"serial"``: if the kernel refuses what workers need (no
             memfd, futexes forbidden by a sandbox, no process can be started),
             log a warning saying why and run every env in the main process
@@ -233,8 +234,6 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         if env_timeout is not None and not env_timeout > 0:
             raise ValueError(f"env_timeout must be a positive number of seconds, got {env_timeout}")
         self.env_timeout = env_timeout
-        if self.is_async and env_timeout is not None:
-            raise ValueError("env_timeout needs batch_size == num_envs")
         self._killed_stuck: dict[int, str] = {}  # worker -> why shmvec killed it
         self._recovered: dict[int, dict] = {}  # messages of replacement workers
         self._reset_payloads: dict[int, tuple] = {}  # the last reset of each worker
@@ -824,7 +823,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         restarted: dict[int, WorkerDiedError] = {}
 
         def ready(spin_ns: int, budget_ns: int) -> bool:
-            self._kill_stuck_workers(restarted)
+            if not self.is_async:  # async mode times envs, in recv()
+                self._kill_stuck_workers(restarted)
             if restarted:
                 return self._finished_except(restarted, budget_ns)
             return self._barrier.wait_done(spin_ns, budget_ns)
@@ -866,21 +866,26 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             time.sleep(0.0002)  # a round with a restart: no need for a futex
         return True
 
-    def _kill_stuck_workers(self, spared: dict) -> None:
-        """``env_timeout``: kills the workers still in this round past it."""
-        if self.env_timeout is None or time.monotonic() - self._round_started < self.env_timeout:
+    def _kill_stuck_workers(self, spared=()) -> None:
+        """``env_timeout``: kills the workers past it: in sync mode those still in
+        this round, in async mode those still in the env they began."""
+        if self.env_timeout is None:
             return
         buffer = memoryview(self._segment)
-        finished = self._layout.worker_finished_generation(buffer)
         current = self._layout.worker_current_env(buffer)
-        generation = self._barrier.generation
-        for index, process in enumerate(self._workers):
-            if (
-                index in spared
-                or process is self._main_worker
-                or finished[index] == generation
-                or process.exitcode is not None
-            ):
+        if self.is_async:
+            started = self._layout.worker_env_started_ns(buffer)
+            limit_ns = time.monotonic_ns() - int(self.env_timeout * 1e9)
+            late = [i for i in range(self.num_workers) if current[i] and started[i] < limit_ns]
+        elif time.monotonic() - self._round_started >= self.env_timeout:
+            finished = self._layout.worker_finished_generation(buffer)
+            generation = self._barrier.generation
+            late = [i for i in range(self.num_workers) if finished[i] != generation]
+        else:
+            return
+        for index in late:
+            process = self._workers[index]
+            if index in spared or process is self._main_worker or process.exitcode is not None:
                 continue
             where = f"env {current[index] - 1}" if current[index] else "its envs"
             limit = self.env_timeout

@@ -268,6 +268,9 @@ class Worker:
             self.commands = self.layout.env_commands(buffer)[self.rows.start : self.rows.stop]
             self.reset_args: dict = {}
             self.restarted = np.zeros(len(envs), dtype=np.uint8)  # see recover_async
+            self.env_started = self.layout.worker_env_started_ns(buffer)[
+                spec.index : spec.index + 1
+            ]
 
     def serve(self) -> None:
         """Sync mode: one barrier round per command."""
@@ -320,6 +323,7 @@ class Worker:
             self.on_error,
             self.restarted,
             self.restart_result,
+            self.env_started,
         )
         return True
 

@@ -326,6 +326,34 @@ def test_env_timeout_kills_a_stuck_worker(policy):
         envs.close()
 
 
+@pytest.mark.parametrize("policy", ["restart", "raise"])
+def test_env_timeout_in_async_mode_times_each_env(policy):
+    """Env 3 hangs; the other envs keep filling batches, and env 3's worker is
+    killed once env 3 has run past env_timeout."""
+    fns = test_envs.class_fns(test_envs.CountingEnv, 6)
+    envs = ShmVectorEnv(fns, num_workers=3, batch_size=2, on_worker_death=policy, env_timeout=0.3)
+    rng = np.random.default_rng(5)
+    run = Transitions(6)
+    try:
+        envs.async_reset(seed=0)
+        envs.set_attr("delay", [0.0] * 3 + [30.0] + [0.0] * 2)
+        started = time.monotonic()
+        if policy == "raise":
+            with pytest.raises(WorkerDiedError, match=r"worker 1 .*SIGKILL") as error:
+                while time.monotonic() - started < 20:
+                    run.step(envs, rng)
+            assert "stuck in env 3 for more than env_timeout=0.3 s" in notes(error.value)
+            return
+        while 3 not in run.restarted and time.monotonic() - started < 20:
+            run.step(envs, rng)
+        assert 3 in run.restarted and envs.stats()["worker_restarts"] == 1
+        for _ in range(20):  # the new env 3 has no delay
+            run.step(envs, rng)
+        run.drain(envs)
+    finally:
+        envs.close()
+
+
 # ------------------------------------------------------------- env errors
 
 
@@ -403,5 +431,3 @@ def test_policy_arguments_are_checked():
         ShmVectorEnv(fns, on_env_error="ignore")
     with pytest.raises(ValueError, match="env_timeout must be a positive"):
         ShmVectorEnv(fns, env_timeout=0)
-    with pytest.raises(ValueError, match="env_timeout needs batch_size == num_envs"):
-        ShmVectorEnv(fns, batch_size=1, env_timeout=1.0)
