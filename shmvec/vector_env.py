@@ -49,6 +49,7 @@ from shmvec.worker import (
     LoopbackPipe,
     SegmentFd,
     WorkerSpec,
+    check_env,
     make_layout,
     worker_main,
 )
@@ -189,6 +190,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self.num_envs = len(env_fns)
 
         dummy_env = env_fns[0]()
+        check_env(dummy_env, 0)
         self.metadata = dict(dummy_env.metadata)
         self.metadata["autoreset_mode"] = self.autoreset_mode
         self.render_mode = dummy_env.render_mode

@@ -147,6 +147,20 @@ def _main_alive(pid: int) -> bool:
     return True
 
 
+def check_env(env, row: int) -> None:
+    """A TypeError naming env_fns[row] if what it returned is not an env (by its
+    shape: gymnasium itself does not insist on ``gymnasium.Env``)."""
+    missing = [
+        name for name in ("reset", "step", "observation_space", "action_space")
+        if not hasattr(env, name)
+    ]  # fmt: skip
+    if missing:
+        raise TypeError(
+            f"env_fns[{row}] returned {type(env).__name__!r}, not an env: it has no "
+            f"{', '.join(missing)}"
+        )
+
+
 def _check_spaces(spec: WorkerSpec, env, row: int) -> None:
     from gymnasium.spaces.utils import is_space_dtype_shape_equiv
 
@@ -214,6 +228,7 @@ def _make_envs(spec: WorkerSpec) -> list:
         row = spec.first_env + offset
         try:
             env = env_fn()
+            check_env(env, row)
             _check_spaces(spec, env, row)
         except BaseException as exc:
             add_note(exc, f"(while creating env {row} in shmvec worker {spec.index})")

@@ -191,6 +191,14 @@ def test_bad_env_fns():
         ShmVectorEnv([test_envs.gym_fns("CartPole-v1", 1)[0], 42], context="fork")
 
 
+@pytest.mark.parametrize("where", [0, 3])
+def test_env_fn_returning_a_non_env_is_named(where):
+    fns = test_envs.gym_fns("CartPole-v1", 4)
+    fns[where] = lambda: "CartPole-v1"
+    with pytest.raises(TypeError, match=rf"env_fns\[{where}\] returned 'str', not an env: "):
+        ShmVectorEnv(fns, num_workers=2, context="fork")
+
+
 def test_daemon_flag_reaches_workers():
     for daemon in (True, False):
         envs = cartpole(2, daemon=daemon)
