@@ -324,6 +324,8 @@ class AsyncRollouts:
         self._workers[dead].join(1.0)
         self._drain_pipe(dead)
         self._pipes[dead].close()
+        self._stashed[dead][False].clear()  # replies to rounds it will never finish
+        self._message_flags[dead] = 0  # a round's message it flagged died with it
         self._quiesce(dead)
         plan = self._recovery_plan(dead)
         rows = self._env_blocks[dead]

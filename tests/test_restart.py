@@ -300,6 +300,31 @@ def test_async_restart_wherever_the_worker_dies(where):
         envs.close()
 
 
+def test_async_death_during_a_call_restarts_then_raises():
+    n = 6
+    envs = ShmVectorEnv(
+        test_envs.class_fns(test_envs.CountingEnv, n), num_workers=3, batch_size=2,
+        on_worker_death="restart",
+    )  # fmt: skip
+    rng = np.random.default_rng(2)
+    run = Transitions(n)
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(10):
+            run.step(envs, rng)
+        kill(envs, 2)
+        with pytest.raises(WorkerDiedError, match=r"worker 2 .*SIGKILL") as error:
+            envs.get_attr("t")
+        assert "restarted" in notes(error.value)
+        assert len(envs.get_attr("t")) == n
+        for _ in range(20):
+            run.step(envs, rng)
+        run.drain(envs)
+        assert envs.stats()["worker_restarts"] == 1
+    finally:
+        envs.close()
+
+
 # ------------------------------------------------------------- env_timeout
 
 
