@@ -238,7 +238,7 @@ class AsyncRollouts:
             except WorkerDiedError as error:
                 if self.on_worker_death != "restart":
                     raise
-                self._restart_async_worker(error.worker)
+                self._restart_async_worker(error.worker, {(slot, row) for row in messages})
         self._consumed_rows += self.batch_size
         self._awaiting[env_ids] = True
         self._last_env_ids = env_ids
@@ -309,7 +309,7 @@ class AsyncRollouts:
 
     # ---------------------------------------------------------------- restart
 
-    def _restart_async_worker(self, dead: int) -> None:
+    def _restart_async_worker(self, dead: int, read: frozenset | set = frozenset()) -> None:
         """``on_worker_death="restart"`` in async mode: replaces worker ``dead`` so
         that each of its envs still running delivers exactly one result.
 
@@ -320,6 +320,7 @@ class AsyncRollouts:
         one env whose command it took but whose row it never claimed. The
         replacement fills the hole or claims a row for that env, and every other
         env of its block reports a truncated episode for its next command.
+        ``read``: the (slot, row)s whose messages main already has.
         """
         self._workers[dead].join(1.0)
         self._drain_pipe(dead)
@@ -327,7 +328,7 @@ class AsyncRollouts:
         self._stashed[dead][False].clear()  # replies to rounds it will never finish
         self._message_flags[dead] = 0  # a round's message it flagged died with it
         self._quiesce(dead)
-        plan = self._recovery_plan(dead)
+        plan = self._recovery_plan(dead, read)
         rows = self._env_blocks[dead]
         self._workers[dead], self._pipes[dead] = self._start_worker(
             dead,
@@ -381,7 +382,7 @@ class AsyncRollouts:
                 self._drain_pipe(index)
             time.sleep(0.0002)
 
-    def _recovery_plan(self, dead: int) -> dict[int, tuple]:
+    def _recovery_plan(self, dead: int, read: frozenset | set) -> dict[int, tuple]:
         """What the replacement of ``dead`` must deliver: env -> (how, slot, row,
         command), ``how`` one of "hole", "claim", "rewrite" (Worker.recover_async)."""
         batch, slots = self.batch_size, self._layout.num_slots
@@ -417,8 +418,10 @@ class AsyncRollouts:
                 plan[env] = ("hole", *hole, command)
             elif env in where:
                 slot, row = where[env]
-                if self._slots[slot].messages[row] and not any(
-                    m["row"] == (slot, row) for m in self._stashed[dead][True]
+                if (
+                    self._slots[slot].messages[row]
+                    and (slot, row) not in read
+                    and not any(m["row"] == (slot, row) for m in self._stashed[dead][True])
                 ):
                     plan[env] = ("rewrite", slot, row, command)  # its message was lost
             else:

@@ -17,6 +17,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import assert_same
 
+import shmvec.async_api
 from shmvec import ShmVectorEnv, WorkerDiedError
 
 pytestmark = pytest.mark.timeout(60)
@@ -296,6 +297,47 @@ def test_async_restart_wherever_the_worker_dies(where):
         run.drain(envs)
         assert envs.stats()["worker_restarts"] == 1
         assert 3 in run.restarted  # its lost step came back as a truncation
+    finally:
+        envs.close()
+
+
+class SlowOrTalkative(DiesWhenTold):
+    """Envs 0-1 are slow; envs 2-3 put a pickled info in every step, so that
+    their rows come first and both carry a message."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.delay = 0.05 if index < 2 else 0.0
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.index >= 2 and not info:
+            info = {"note": f"env {self.index}"}
+        return obs, reward, terminated, truncated, info
+
+
+def test_async_death_while_main_reads_the_slots_messages(monkeypatch):
+    """Worker 1 dies sending env 3's message, after publishing its row, often
+    while main is reading the slot's messages and has read env 2's: only env
+    3's row is redone, env 2's result stands (the counters check both)."""
+    # No periodic liveness check: the death is noticed while reading messages.
+    monkeypatch.setattr(shmvec.async_api, "LIVENESS_CHECK_S", 60.0)
+    envs = ShmVectorEnv(
+        test_envs.indexed_fns(SlowOrTalkative, 4), num_workers=2, batch_size=2,
+        on_worker_death="restart",
+    )  # fmt: skip
+    rng = np.random.default_rng(4)
+    run = Transitions(4)
+    try:
+        envs.async_reset(seed=0)
+        for t in range(100):  # four deaths
+            if t % 25 == 10:
+                envs.set_attr("die", ["", "", "", "info"])
+            run.step(envs, rng)
+        run.drain(envs)
+        assert envs.stats()["worker_restarts"] == 4
+        assert run.restarted == {2, 3}  # env 3's lost steps, env 2's next ones
     finally:
         envs.close()
 
