@@ -86,7 +86,7 @@ class AsyncRollouts:
         # one are done with), each env's last command and reset arguments.
         self._consumed_rows = 0
         self._liveness_checked = time.monotonic()
-        self._env_command = np.zeros(self.num_envs, dtype=np.uint8)
+        self._last_command = np.zeros(self.num_envs, dtype=np.uint8)
         self._env_reset_args: dict[int, tuple] = {}
         for views in self._slots:
             views.env_ids[:] = UNWRITTEN
@@ -181,7 +181,7 @@ class AsyncRollouts:
 
     def _start_envs(self, env_ids: np.ndarray, command: int) -> None:
         self._env_commands[env_ids] = command
-        self._env_command[env_ids] = command
+        self._last_command[env_ids] = command
         self._awaiting[env_ids] = False
         workers = np.bincount(self._env_worker[env_ids], minlength=self.num_workers)
         for index in np.flatnonzero(workers).tolist():
@@ -411,7 +411,7 @@ class AsyncRollouts:
             hole_env = None if unwritten else last_of_dead
         plan = {}
         for env in self._env_blocks[dead]:
-            command = int(self._env_command[env])
+            command = int(self._last_command[env])
             if self._awaiting[env] or self._env_commands[env]:
                 continue  # idle, or not started: the replacement's first command does it
             if env == hole_env:
