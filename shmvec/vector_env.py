@@ -903,13 +903,15 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._workers[index].join(1.0)
         self._pipes[index].close()
         self._stashed[index] = (deque(), deque())
-        self._info_schemas[index] = {}  # the new worker numbers its info columns afresh
         self._message_flags[index] = 0  # the dead worker's message died with its pipe
         kind = {AsyncState.WAITING_STEP: STEP, AsyncState.WAITING_RESET: RESET}.get(
             self._state, CALL
         )
         self._workers[index], self._pipes[index] = self._start_worker(
-            index, generation=self._barrier.generation, recover=(kind, self._slot)
+            index,
+            generation=self._barrier.generation,
+            recover=(kind, self._slot),
+            info_schema=dict(self._info_schemas[index]),
         )
         if kind == RESET:
             self._send(index, "reset", self._reset_payloads[index])
