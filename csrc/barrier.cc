@@ -6,6 +6,7 @@ namespace shmvec {
 
 void StepBarrier::post(uint32_t kind, uint32_t arg) noexcept {
   w_->done.value.store(0, std::memory_order_relaxed);
+  w_->messages.value.store(0, std::memory_order_relaxed);
   w_->command_kind.value.store(kind, std::memory_order_relaxed);
   w_->command_arg.value.store(arg, std::memory_order_relaxed);
   // seq_cst: orders the bump before the read of worker_sleepers (see
@@ -43,7 +44,9 @@ WaitStatus StepBarrier::wait_command(uint32_t last_generation, int64_t spin_ns,
   return status;
 }
 
-void StepBarrier::arrive() noexcept {
+void StepBarrier::arrive(bool message) noexcept {
+  // Released by the seq_cst fetch_add below, acquired with `done` by main.
+  if (message) w_->messages.value.fetch_add(1, std::memory_order_relaxed);
   uint32_t now = w_->done.value.fetch_add(1, std::memory_order_seq_cst) + 1;
   if (now == num_workers_ &&
       w_->main_sleeping.value.load(std::memory_order_seq_cst) != 0) {

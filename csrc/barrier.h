@@ -5,8 +5,10 @@
 //                                 `generation` and wakes sleeping workers
 //   workers: wait_command(...)    see the new generation, read (kind, arg)
 //            ... do the work, write results into the segment ...
-//            arrive()             release their writes; the last of the N
-//                                 arrivals wakes the main process
+//            arrive(message)      release their writes (and count themselves
+//                                 in `messages` if a pickled message follows);
+//                                 the last of the N arrivals wakes the main
+//                                 process
 //   main:    wait_done(...)       returns once all N have arrived; every
 //                                 write a worker made before arrive() is
 //                                 visible
@@ -44,6 +46,7 @@ struct alignas(64) BarrierWords {
   PaddedWord main_sleeping;    // 1 while main is inside futex_wait on `done`
   PaddedWord command_kind;     // written before `generation` is bumped
   PaddedWord command_arg;
+  PaddedWord messages;  // workers whose pickled message follows this round
 };
 
 enum class WaitStatus { kReady = 0, kTimedOut = 1, kError = 2 };
@@ -67,6 +70,11 @@ class StepBarrier {
   WaitStatus wait_done(int64_t spin_ns, int64_t timeout_ns) noexcept;
   // [main] Arrivals so far in the current round.
   uint32_t arrived() const noexcept;
+  // [main] Workers that arrived with message=true this round: when 0, the
+  // main process need not look at any worker's own words.
+  uint32_t messages() const noexcept {
+    return w_->messages.value.load(std::memory_order_acquire);
+  }
   // [any] The current generation, without waiting.
   uint32_t generation() const noexcept {
     return w_->generation.value.load(std::memory_order_acquire);
@@ -75,8 +83,9 @@ class StepBarrier {
   // [worker] Waits for a generation other than `last_generation`.
   WaitStatus wait_command(uint32_t last_generation, int64_t spin_ns, int64_t timeout_ns,
                           Command* out) noexcept;
-  // [worker] Ends this worker's part of the round.
-  void arrive() noexcept;
+  // [worker] Ends this worker's part of the round; `message`: a pickled
+  // message of this round follows on the worker's pipe.
+  void arrive(bool message = false) noexcept;
 
  private:
   BarrierWords* w_;

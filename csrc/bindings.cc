@@ -161,6 +161,8 @@ timeout waits for ever.
           py::arg("spin_ns"), py::arg("timeout_ns"),
           "True once every worker arrived, False on timeout.")
       .def("arrived", [](PyBarrier& b) { return b.barrier.arrived(); })
+      .def("messages", [](PyBarrier& b) { return b.barrier.messages(); },
+           "Workers that arrived with message=True this round.")
       .def_property_readonly("generation",
                              [](PyBarrier& b) { return b.barrier.generation(); })
       .def(
@@ -179,7 +181,9 @@ timeout waits for ever.
           },
           py::arg("last_generation"), py::arg("spin_ns"), py::arg("timeout_ns"),
           "(generation, kind, arg) of the next command, or None on timeout.")
-      .def("arrive", [](PyBarrier& b) { b.barrier.arrive(); });
+      .def(
+          "arrive", [](PyBarrier& b, bool message) { b.barrier.arrive(message); },
+          py::arg("message") = false);
 
   py::class_<PyRing>(m, "ResultRing", R"doc(
 The async engine's result ring (csrc/result_ring.h): workers claim rows in

@@ -16,7 +16,7 @@
 namespace shmvec {
 
 constexpr uint64_t kSegmentMagic = 0x3130564d48534dULL;  // "MSHMV01" little-endian
-constexpr uint32_t kSegmentVersion = 1;
+constexpr uint32_t kSegmentVersion = 2;
 constexpr size_t kCacheLine = 64;
 
 // The first bytes of every segment.

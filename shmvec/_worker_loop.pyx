@@ -37,7 +37,7 @@ cdef extern from "barrier.h" namespace "shmvec":
         StepBarrier(BarrierWords* words, uint32_t num_workers) nogil
         WaitStatus wait_command(uint32_t last_generation, int64_t spin_ns,
                                 int64_t timeout_ns, Command* out) nogil
-        void arrive() nogil
+        void arrive(bint message) nogil
         uint32_t generation() nogil
 
 # Autoreset modes, as ints (shmvec.worker maps gymnasium's enum onto them).
@@ -76,9 +76,10 @@ cdef class WorkerBarrier:
             return None
         raise OSError(errno, "futex wait failed in a shmvec worker")
 
-    def arrive(self):
+    def arrive(self, bint message=False):
+        """Ends this worker's round; ``message``: a pickled message follows."""
         with nogil:
-            self.barrier.arrive()
+            self.barrier.arrive(message)
 
     def generation_now(self):
         """The current generation, without waiting."""

@@ -80,6 +80,11 @@ class Codec:
         """
         return True
 
+    def write_exact(self, views: list[np.ndarray], value: Any) -> bool:
+        """[main] The fast path of ``write_batch``: stores ``value`` only if it is
+        an array of exactly the column's dtype and shape; False if it did not."""
+        return False
+
 
 class ArrayCodec(Codec):
     """Box, Discrete, MultiDiscrete and MultiBinary: one column."""
@@ -106,6 +111,13 @@ class ArrayCodec(Codec):
 
     def write_batch(self, views, value):
         self._check_and_copy(views[0], value)
+
+    def write_exact(self, views, value):
+        column = views[0]
+        if type(value) is np.ndarray and value.dtype == column.dtype and value.shape == column.shape:
+            np.copyto(column, value)
+            return True
+        return False
 
     def is_exact(self, value):
         array = value if type(value) is np.ndarray else np.asarray(value)

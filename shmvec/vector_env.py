@@ -498,33 +498,35 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _step_async(self, actions: ArrayType | None, write: bool) -> None:
         """Starts a step; ``write=False`` when the caller filled the slab itself."""
-        self._assert_is_running()
-        if self.is_async:
-            raise RuntimeError(
-                "with batch_size < num_envs, step with send(actions, env_ids) and recv()"
-            )
-        if self._state != AsyncState.DEFAULT:
+        if self.closed or self.is_async or self._state is not AsyncState.DEFAULT:
+            self._assert_is_running()
+            if self.is_async:
+                raise RuntimeError(
+                    "with batch_size < num_envs, step with send(actions, env_ids) and recv()"
+                )
             raise AlreadyPendingCallError(
                 "Calling `step_async` while waiting for a pending call to "
                 f"`{self._state.value}` to complete.",
                 str(self._state.value),
             )
         self._finish_unfinished_round()
-        # Actions that are not exactly the columns' dtype (a list, float64 for a
-        # float32 Box) reach each env as gymnasium hands them over: the element
-        # iterating the batch gives, pickled. Bit 31 of the argument says so.
-        by_value = write and (
-            self._action_codec.pickled or not self._action_codec.is_exact(actions)
-        )
-        if write and self.validate_actions:
-            self._check_actions(actions, range(self.num_envs))
-        if by_value:
-            per_env = [None] * self.num_envs
-            self._pickled_actions.write_batch(per_env, actions)
-            for index, rows in enumerate(self._env_blocks):
-                self._send(index, "actions", per_env[rows.start : rows.stop])
-        elif write:
-            self._action_codec.write_batch(self._action_views, actions)
+        by_value = False
+        codec = self._action_codec
+        if write and (self.validate_actions or not codec.write_exact(self._action_views, actions)):
+            # Actions that are not exactly the columns' dtype (a list, float64 for
+            # a float32 Box) reach each env as gymnasium hands them over: the
+            # element iterating the batch gives, pickled. Bit 31 of the argument
+            # says so.
+            by_value = codec.pickled or not codec.is_exact(actions)
+            if self.validate_actions:
+                self._check_actions(actions, range(self.num_envs))
+            if by_value:
+                per_env = [None] * self.num_envs
+                self._pickled_actions.write_batch(per_env, actions)
+                for index, rows in enumerate(self._env_blocks):
+                    self._send(index, "actions", per_env[rows.start : rows.stop])
+            else:
+                codec.write_batch(self._action_views, actions)
         self._post(STEP, self._next_slot() | (by_value << 31))
         self._state = AsyncState.WAITING_STEP
 
@@ -822,6 +824,13 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         """
         self._run_main_worker()
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.env_timeout is None:  # the common case first: one wait, no checks
+            budget = LIVENESS_CHECK_S if timeout is None else min(timeout, LIVENESS_CHECK_S)
+            waited = time.perf_counter()
+            done = self._barrier.wait_done(self._spin.main_ns, int(budget * 1e9))
+            self._stats_wait_s += time.perf_counter() - waited
+            if done:
+                return
         restarted: dict[int, WorkerDiedError] = {}
 
         def ready(spin_ns: int, budget_ns: int) -> bool:
@@ -989,9 +998,11 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _collect_messages(self) -> dict[int, dict]:
         """This round's messages, by worker, in worker (so row) order."""
-        flags = self._message_flags
-        if not (flags.any() or self._recovered):
+        # The barrier's count first: reading the workers' own words (numpy's
+        # any() above all) costs several microseconds a round.
+        if not (self._barrier.messages() or self._recovered):
             return {}
+        flags = self._message_flags
         messages = self._recovered
         self._recovered = {}
         for index in np.flatnonzero(flags).tolist():
@@ -1008,6 +1019,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _merge_infos(self, messages: dict[int, dict]) -> dict[str, Any]:
         """This round's infos: pickled ones and numeric scalar columns, in env order."""
+        if not messages and not any(self._info_schemas):
+            return {}
         for index, message in messages.items():
             self._info_schemas[index].update(message.get("info_columns", ()))
         pickled = [item for m in messages.values() for item in m.get("infos", ())]

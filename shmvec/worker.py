@@ -294,10 +294,8 @@ class Worker:
             if command is None:
                 self._check_main()
                 continue
-            started = time.perf_counter_ns()
             if not self._run_command(command):
                 return
-            self.busy_ns[0] += time.perf_counter_ns() - started
 
     def serve_async(self) -> None:
         """Async mode: run envs as their commands arrive; barrier commands too."""
@@ -308,10 +306,8 @@ class Worker:
                 self._check_main()
                 continue
             rings = seen
-            started = time.perf_counter_ns()
             if not self.poll_async():
                 return
-            self.busy_ns[0] += time.perf_counter_ns() - started
 
     def poll_sync(self) -> bool:
         """Runs the barrier command just posted; False once the worker must exit."""
@@ -322,6 +318,7 @@ class Worker:
         command; False once the worker must exit."""
         if self.barrier.generation_now() != self.generation and not self.poll_sync():
             return False
+        started = time.perf_counter_ns()
         _worker_loop.step_pending(
             self.stepper,
             self.ring,
@@ -340,6 +337,7 @@ class Worker:
             self.restart_result,
             self.env_started,
         )
+        self.busy_ns[0] += time.perf_counter_ns() - started
         return True
 
     def _take_reset_args(self, env_id: int) -> tuple:
@@ -354,6 +352,7 @@ class Worker:
 
     def _run_command(self, command: tuple) -> bool:
         """Runs one barrier command; False once the worker must exit."""
+        started = time.perf_counter_ns()
         self.generation, kind, arg = command
         if kind == STEP:
             message = self.step(arg)
@@ -372,8 +371,11 @@ class Worker:
         if message:
             self.flag[0] = 1
         self.current_env[0] = 0
+        # Every write to this worker's line before arrive(): the main process
+        # reads it right after, and a later write would pull the line back.
+        self.busy_ns[0] += time.perf_counter_ns() - started
         self.finished[0] = self.generation
-        self.barrier.arrive()
+        self.barrier.arrive(bool(message))
         if message:
             _send(self.pipe, message)
         return True
@@ -633,14 +635,12 @@ class InProcessWorker:
         worker = self.worker
         if self.exitcode is not None:
             return
-        started = time.perf_counter_ns()
         if async_mode:
             alive = worker.poll_async()
         elif worker.barrier.generation_now() != worker.generation:
             alive = worker.poll_sync()
         else:
             return
-        worker.busy_ns[0] += time.perf_counter_ns() - started
         if not alive:
             self.exitcode = 0
 

@@ -72,9 +72,9 @@ def test_create_is_zero_filled_and_has_header():
     view = np.frombuffer(memoryview(seg), dtype=np.uint8)
     assert view.shape == (8192,)
     assert not view[64:].any(), "the segment after the header must be zero-filled"
-    # The header starts with kSegmentMagic (csrc/segment.h), then version 1.
+    # The header starts with kSegmentMagic (csrc/segment.h), then version 2.
     assert view[:8].view("<u8")[0] == 0x3130564D48534D
-    assert view[8:12].view("<u4")[0] == 1
+    assert view[8:12].view("<u4")[0] == 2
 
 
 @pytest.mark.parametrize("size", [0, 1, 63])
@@ -483,7 +483,20 @@ def test_barrier_offset_is_checked():
         _core.StepBarrier(seg, 4096 - 64, 1)  # does not fit
     with pytest.raises(ValueError):
         _core.StepBarrier(seg, BARRIER + 4, 1)  # misaligned
-    assert _core.StepBarrier.nbytes == 6 * 64
+    assert _core.StepBarrier.nbytes == 7 * 64
+
+
+def test_barrier_counts_the_workers_with_a_message():
+    seg = _core.Segment.create(4096)
+    barrier = _core.StepBarrier(seg, BARRIER, 3)
+    barrier.post(1, 0)
+    barrier.arrive(message=True)
+    barrier.arrive()
+    barrier.arrive(message=True)
+    assert barrier.wait_done(0, SEC) is True
+    assert barrier.messages() == 2
+    barrier.post(1, 0)
+    assert barrier.messages() == 0, "post starts a new round"
 
 
 # ---------------------------------------------------------- doorbell and ring
