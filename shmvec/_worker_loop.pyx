@@ -9,7 +9,8 @@ modes, what goes into infos) are the same as in ``SyncVectorEnv.step``.
 
 from libc.errno cimport errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
-from libc.string cimport memset
+from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from numpy import ndarray as _ndarray
@@ -153,7 +154,8 @@ cdef class Stepper:
     sync mode and claimed ring rows in async mode.
     """
 
-    cdef object action_codec, obs_codec, action_column, obs_column, obs_shape
+    cdef object action_codec, obs_codec, action_column, obs_column, obs_shape, obs_dtype
+    cdef Py_ssize_t obs_nbytes
     cdef bint direct_action, copy_action, direct_obs
     cdef public bint actions_by_value  # this round's actions: a list of per-env values
     cdef int mode
@@ -167,6 +169,11 @@ cdef class Stepper:
         self.copy_action = self.direct_action and len(action_codec.spec.shape) > 0
         self.direct_obs = type(obs_codec).__name__ == "ArrayCodec"
         self.obs_shape = obs_codec.spec.shape if self.direct_obs else None
+        if self.direct_obs:
+            self.obs_dtype = obs_codec.spec.dtype
+            self.obs_nbytes = obs_codec.spec.dtype.itemsize
+            for n in self.obs_shape:
+                self.obs_nbytes *= n
 
     cdef object read_action(self, list action_views, Py_ssize_t env_id):
         cdef object action
@@ -201,12 +208,38 @@ cdef class Stepper:
         if self.direct_obs:
             if (obs.shape if type(obs) is _ndarray else _shape(obs)) != self.obs_shape:
                 self.obs_codec.write(obs_views, row, obs)  # raises, naming the field
-            obs_views[0][row] = obs
+            if not (type(obs) is _ndarray and obs.dtype is self.obs_dtype
+                    and _copy_row(obs_views[0], row, obs, self.obs_nbytes)):
+                obs_views[0][row] = obs  # numpy casts, or copies a strided array
         else:
             self.obs_codec.write(obs_views, row, obs)
         rewards[row] = reward
         terminations[row] = 1 if terminated else 0
         truncations[row] = 1 if truncated else 0
+
+
+cdef bint _copy_row(object column, Py_ssize_t row, object value, Py_ssize_t nbytes) except -1:
+    """memcpy of ``value`` into row ``row`` of ``column`` (C-contiguous, ``nbytes``
+    a row) when ``value`` is contiguous too; False if it is not. A numpy
+    ``column[row] = value`` costs several times more for a small row."""
+    cdef Py_buffer src, dst
+    try:
+        PyObject_GetBuffer(value, &src, PyBUF_SIMPLE)
+    except BufferError:  # not contiguous
+        return False
+    try:
+        if src.len != nbytes:
+            return False
+        PyObject_GetBuffer(column, &dst, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        try:
+            if (row + 1) * nbytes > dst.len:
+                return False
+            memcpy(<char*>dst.buf + row * nbytes, src.buf, nbytes)
+        finally:
+            PyBuffer_Release(&dst)
+    finally:
+        PyBuffer_Release(&src)
+    return True
 
 
 def step_envs(

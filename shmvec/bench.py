@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import csv
 import dataclasses
+import functools
 import importlib.util
 import multiprocessing
 import os
@@ -194,7 +195,7 @@ ENVPOOL_TASKS = {"cartpole": "CartPole-v1", "pong": "Pong-v5"}
 #: copy=False) is not in the default set; it is the fair peer of ``shmvec-nocopy``.
 BACKENDS = (
     "shmvec", "shmvec-main", "shmvec-nocopy", "shmvec-async", "shmvec-sb3", "sync",
-    "async", "async-nocopy", "sb3", "envpool", "envpool-async", "single",
+    "async", "async-nocopy", "sb3", "envpool", "envpool-async", "pufferlib", "single",
 )  # fmt: skip
 DEFAULT_BACKENDS = ("shmvec", "shmvec-main", "shmvec-nocopy", "sync", "async", "sb3", "single")
 #: Batches of random actions drawn before timing, then replayed in a cycle.
@@ -367,6 +368,33 @@ def _envpool_stepper(workload: str, num_envs: int, batch_size: int, seed: int) -
     return Stepper(env.step, actions, num_envs, available_cpus(), lambda t: env.close())
 
 
+def _pufferlib_stepper(factory: Callable[[], gym.Env], num_envs: int, seed: int) -> Stepper:
+    """PufferLib 2.0's ``Multiprocessing`` backend, each env behind its
+    ``GymnasiumPufferEnv``. Its workers spin on shared flags; it wants
+    num_workers to divide num_envs and to be at most the physical cores."""
+    import pufferlib.emulation
+    import pufferlib.vector
+
+    workers = min(num_envs, available_cpus())
+    while num_envs % workers:
+        workers -= 1
+    creator = functools.partial(pufferlib.emulation.GymnasiumPufferEnv, env_creator=factory)
+    env = pufferlib.vector.make(
+        creator, backend=pufferlib.vector.Multiprocessing, num_envs=num_envs, num_workers=workers
+    )
+    try:
+        env.reset(seed=seed)
+        space = env.single_action_space
+        space.seed(seed)
+        actions = [
+            np.stack([space.sample() for _ in range(num_envs)]) for _ in range(NUM_ACTION_BATCHES)
+        ]
+    except BaseException:
+        env.close()
+        raise
+    return Stepper(env.step, actions, num_envs, workers, lambda terminate: env.close())
+
+
 def open_backend(
     backend: str,
     workload: str,
@@ -418,6 +446,8 @@ def open_backend(
         return _sb3_stepper(factory, num_envs, context, seed)
     if backend == "shmvec-sb3":
         return _sb3_adapter_stepper(factory, num_envs, num_workers, seed)
+    if backend == "pufferlib":
+        return _pufferlib_stepper(factory, num_envs, seed)
     if backend == "single":
         return _single_stepper(factory, seed)
     raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
@@ -839,7 +869,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cores = args.cores or available_cpus()
     backends = list(args.backends)
-    for name, module in (("sb3", "stable_baselines3"), ("envpool", "envpool")):
+    for name, module in (
+        ("sb3", "stable_baselines3"), ("envpool", "envpool"), ("pufferlib", "pufferlib")
+    ):  # fmt: skip
         if importlib.util.find_spec(module) is None:
             skipped = [b for b in backends if name in b]
             if skipped:

@@ -991,9 +991,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             raise
         self._state = AsyncState.DEFAULT
         messages = self._collect_messages()
-        errors = [e for m in messages.values() for e in m.get("errors", ())]
-        if errors:
-            raise self._remote_error(errors)
+        if messages:
+            errors = [e for m in messages.values() for e in m.get("errors", ())]
+            if errors:
+                raise self._remote_error(errors)
         return messages
 
     def _collect_messages(self) -> dict[int, dict]:
