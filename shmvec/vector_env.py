@@ -534,8 +534,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self, timeout: float | None = None
     ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Waits for the step started by ``step_async``."""
-        self._assert_is_running()
-        if self._state != AsyncState.WAITING_STEP:
+        if self.closed or self._state is not AsyncState.WAITING_STEP:
+            self._assert_is_running()
             raise NoAsyncCallError(
                 "Calling `step_wait` without any prior call to `step_async`.",
                 AsyncState.WAITING_STEP.value,
@@ -790,7 +790,10 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
 
     def _count(self, terminations: np.ndarray, truncations: np.ndarray) -> None:
         self._stats_steps += len(terminations)
-        self._stats_episodes += int(np.count_nonzero(terminations | truncations))
+        # The flags are bytes 0 or 1: OR-ed as two big integers, the set bits
+        # are the envs whose episode ended (numpy's ufuncs cost more here).
+        ended = int.from_bytes(terminations, "little") | int.from_bytes(truncations, "little")
+        self._stats_episodes += ended.bit_count()
 
     def stats(self) -> dict[str, Any]:
         """Throughput and where the time goes, since construction.
