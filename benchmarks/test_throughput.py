@@ -14,10 +14,15 @@ Groups (one per workload and size) and what each answers:
   AsyncVectorEnv (``async`` copies; ``async-nocopy`` is its copy=False peer).
 - ``varstep-16envs``: steps that burn 1-20 x 9.5 us at random: the async
   engine (``batch_size=8``, recv/send) against shmvec's sync mode.
+- ``pong-8envs``: Atari Pong with gymnasium's AtariPreprocessing and
+  FrameStack(4) (skipped without ale-py): env-bound, against EnvPool's Pong-v5
+  (C++ preprocessing) and gymnasium Async.
 - ``cartpole-async-16envs``: shmvec's async engine beside EnvPool's, same
   batch (skipped without EnvPool).
 - ``sb3-cartpole-16envs``: shmvec behind SB3's VecEnv API (``shmvec.sb3``)
   against SB3's SubprocVecEnv (skipped without stable-baselines3).
+
+Peers that are not installed (EnvPool, SB3, PufferLib) are skipped.
 
 A round is a fixed number of batched steps, so every backend of a group does
 the same work; the times in pytest-benchmark's table are per round. The
@@ -35,8 +40,9 @@ ROUNDS = 10
 
 
 @pytest.mark.benchmark(group="cartpole-32envs")
-@pytest.mark.parametrize("backend", ["shmvec", "shmvec-main", "sync", "async"])
+@pytest.mark.parametrize("backend", ["shmvec", "shmvec-main", "sync", "async", "pufferlib"])
 def test_cartpole_32_envs(throughput, backend):
+    _skip_if_missing(backend)
     throughput("cartpole", backend, num_envs=32, steps=100, rounds=ROUNDS)
 
 
@@ -68,6 +74,17 @@ def test_varstep_async_vs_sync(throughput, backend):
     throughput("varstep", backend, num_envs=16, steps=steps, rounds=ROUNDS)
 
 
+@pytest.mark.benchmark(group="pong-8envs")
+@pytest.mark.parametrize(
+    "backend", ["shmvec", "shmvec-main", "envpool", "async", "pufferlib", "single"]
+)
+def test_pong_8_envs(throughput, backend):
+    pytest.importorskip("ale_py")
+    pytest.importorskip("cv2")
+    _skip_if_missing(backend)
+    throughput("pong", backend, num_envs=8, steps=40, rounds=ROUNDS)
+
+
 @pytest.mark.benchmark(group="cartpole-async-16envs")
 @pytest.mark.parametrize("backend", ["shmvec-async", "envpool-async", "shmvec", "envpool"])
 def test_cartpole_async_vs_envpool(throughput, backend):
@@ -82,3 +99,10 @@ def test_cartpole_async_vs_envpool(throughput, backend):
 def test_sb3_adapter_vs_subproc(throughput, backend):
     pytest.importorskip("stable_baselines3")
     throughput("cartpole", backend, num_envs=16, steps=100, rounds=ROUNDS)
+
+
+def _skip_if_missing(backend: str) -> None:
+    """Skips a peer whose package is not installed."""
+    module = {"envpool": "envpool", "pufferlib": "pufferlib"}.get(backend)
+    if module is not None:
+        pytest.importorskip(module)

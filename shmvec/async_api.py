@@ -91,11 +91,6 @@ class AsyncRollouts:
         for views in self._slots:
             views.env_ids[:] = UNWRITTEN
 
-    @property
-    def is_async(self) -> bool:
-        """True when ``batch_size < num_envs``."""
-        return self.batch_size < self.num_envs
-
     # ------------------------------------------------------------------ reset
 
     def async_reset(

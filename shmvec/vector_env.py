@@ -215,6 +215,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             raise ValueError(
                 f"batch_size must be between 1 and num_envs={self.num_envs}, got {batch_size}"
             )
+        self.is_async = self.batch_size < self.num_envs  # the EnvPool-style API (async_api)
         if group_size < 1 or self.num_envs % group_size:
             raise ValueError(f"group_size must divide num_envs={self.num_envs}, got {group_size}")
         self.group_size = group_size
