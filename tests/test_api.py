@@ -681,6 +681,53 @@ def test_reset_mask_exact_messages(envs):
 # ------------------------------------------------------------- timeouts
 
 
+def _record_calls(envs, calls: list) -> None:
+    """Appends the name of each step_async/step_wait call to ``calls``."""
+    for name in ("step_async", "step_wait"):
+        real = getattr(envs, name)
+
+        def recorded(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(envs, name, recorded)
+
+
+@pytest.mark.parametrize("step_in_main", [False, True])
+def test_step_short_path_and_its_handovers(step_in_main):
+    """step() skips step_async/step_wait when the actions have the space's dtype
+    and no worker has anything to say; otherwise it starts with step_async, or
+    hands the started round to step_wait. (Equivalence with Sync is tested
+    through step() everywhere else.)"""
+    envs = counting(2, step_in_main=step_in_main)
+    calls: list[str] = []
+    try:
+        envs.reset(seed=0)
+        _record_calls(envs, calls)
+        obs, *_ = envs.step(np.array([1, 2]))  # int64, as the Discrete space
+        assert calls == [] and obs.tolist() == [[1, 1], [1, 2]]
+        obs, *_ = envs.step([3, 0])  # a list: passed by value, the general path
+        assert calls == ["step_async", "step_wait"] and obs.tolist() == [[2, 3], [2, 0]]
+        calls.clear()
+        envs.set_attr("delay", [0.0, 0.25])  # past LIVENESS_CHECK_S: handed over
+        obs, *_ = envs.step(np.array([1, 1]))
+        assert calls == ["step_wait"] and obs.tolist() == [[3, 1], [3, 1]]
+    finally:
+        envs.close()
+    infos = ShmVectorEnv(
+        test_envs.class_fns(test_envs.ScriptedInfoEnv, 2), num_workers=2, step_in_main=step_in_main
+    )
+    try:
+        infos.set_attr("script", [[{"note": "pickled"}], [{}]])
+        infos.reset(seed=0)
+        _record_calls(infos, calls)
+        calls.clear()
+        *_, info = infos.step(np.array([0, 1]))  # a worker's message: handed over
+        assert calls == ["step_wait"] and info["note"].tolist() == ["pickled", None]
+    finally:
+        infos.close()
+
+
 def test_step_wait_timeout_then_usable():
     envs = counting(2, env_kwargs={"delay": 0.5})
     try:

@@ -329,9 +329,11 @@ def test_restarted_actor_in_async_mode(local_ray):
     envs = make_ray_env(env_fns, batch_size=2, on_actor_death="restart")
     try:
         envs.async_reset(seed=0)
-        for _ in range(2):
-            *_, infos = envs.recv()
-            envs.send(np.zeros(2, dtype=np.int64), infos["env_id"])
+        # Both actors' reset batches first: sending on the first one could let
+        # actor 0's quick step come back before actor 1's reset.
+        reset_batches = [envs.recv()[-1]["env_id"] for _ in range(2)]
+        for env_ids in reset_batches:
+            envs.send(np.zeros(2, dtype=np.int64), env_ids)
         time.sleep(0.1)  # actor 1 is inside its 0.4 s step
         ray.kill(envs.actors[1], no_restart=False)
         batches = {}
