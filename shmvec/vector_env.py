@@ -586,7 +586,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             self.step_async(actions)
             return self.step_wait()
         barrier = self._barrier
-        self._post(STEP, self._next_slot())
+        barrier.post(STEP, self._next_slot())  # _post's extras are for async mode and env_timeout
         self._state = AsyncState.WAITING_STEP
         try:
             if self._main_worker is not None:
