@@ -226,6 +226,12 @@ def _sample_actions(space: gym.Space, seed: int) -> list[Any]:
     return [space.sample() for _ in range(NUM_ACTION_BATCHES)]
 
 
+def _stacked_actions(space: gym.Space, batch: int, seed: int) -> list[np.ndarray]:
+    """For backends that take one env's space: batches of ``batch`` actions, stacked."""
+    space.seed(seed)
+    return [np.stack([space.sample() for _ in range(batch)]) for _ in range(NUM_ACTION_BATCHES)]
+
+
 def _vector_stepper(env: gym.vector.VectorEnv, num_workers: int, seed: int) -> Stepper:
     """Wraps an opened gymnasium-API vector env (shmvec, Sync, Async)."""
 
@@ -271,11 +277,7 @@ def _sb3_adapter_stepper(
     try:
         env.seed(seed)
         env.reset()
-        space = env.action_space
-        space.seed(seed)
-        actions = [
-            np.stack([space.sample() for _ in range(num_envs)]) for _ in range(NUM_ACTION_BATCHES)
-        ]
+        actions = _stacked_actions(env.action_space, num_envs, seed)
     except BaseException:
         env.close()
         raise
@@ -307,11 +309,8 @@ def _sb3_stepper(
     try:
         env.seed(seed)
         env.reset()
-        space = env.action_space  # SB3 exposes the single-env space
-        space.seed(seed)
-        actions = [
-            np.stack([space.sample() for _ in range(num_envs)]) for _ in range(NUM_ACTION_BATCHES)
-        ]
+        # SB3 exposes the single-env space.
+        actions = _stacked_actions(env.action_space, num_envs, seed)
     except BaseException:
         close(terminate=True)
         raise
@@ -331,10 +330,7 @@ def _async_stepper(env, num_workers: int, batch_size: int, seed: int | None) -> 
     try:
         env.async_reset() if seed is None else env.async_reset(seed=seed)
         space = getattr(env, "single_action_space", None) or env.action_space
-        space.seed(seed or 0)
-        actions = [
-            np.stack([space.sample() for _ in range(batch_size)]) for _ in range(NUM_ACTION_BATCHES)
-        ]
+        actions = _stacked_actions(space, batch_size, seed or 0)
     except BaseException:
         env.close()
         raise
@@ -360,11 +356,7 @@ def _envpool_stepper(workload: str, num_envs: int, batch_size: int, seed: int) -
     if batch_size < num_envs:
         return _async_stepper(env, available_cpus(), batch_size, None)
     env.reset()
-    space = env.action_space
-    space.seed(seed)
-    actions = [
-        np.stack([space.sample() for _ in range(num_envs)]) for _ in range(NUM_ACTION_BATCHES)
-    ]
+    actions = _stacked_actions(env.action_space, num_envs, seed)
     return Stepper(env.step, actions, num_envs, available_cpus(), lambda t: env.close())
 
 
@@ -386,11 +378,7 @@ def _pufferlib_stepper(factory: Callable[[], gym.Env], num_envs: int, seed: int)
     )
     try:
         env.reset(seed=seed)
-        space = env.single_action_space
-        space.seed(seed)
-        actions = [
-            np.stack([space.sample() for _ in range(num_envs)]) for _ in range(NUM_ACTION_BATCHES)
-        ]
+        actions = _stacked_actions(env.single_action_space, num_envs, seed)
     except BaseException:
         env.close()
         raise
