@@ -161,8 +161,9 @@ timeout waits for ever.
           py::arg("spin_ns"), py::arg("timeout_ns"),
           "True once every worker arrived, False on timeout.")
       .def("arrived", [](PyBarrier& b) { return b.barrier.arrived(); })
-      .def("messages", [](PyBarrier& b) { return b.barrier.messages(); },
-           "Workers that arrived with message=True this round.")
+      .def(
+          "messages", [](PyBarrier& b) { return b.barrier.messages(); },
+          "Workers that arrived with message=True this round.")
       .def_property_readonly("generation",
                              [](PyBarrier& b) { return b.barrier.generation(); })
       .def(

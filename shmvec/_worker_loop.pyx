@@ -225,7 +225,7 @@ cdef bint _copy_row(object column, Py_ssize_t row, object value, Py_ssize_t nbyt
     cdef Py_buffer src, dst
     try:
         PyObject_GetBuffer(value, &src, PyBUF_SIMPLE)
-    except BufferError:  # not contiguous
+    except (BufferError, ValueError):  # not C-contiguous (numpy raises ValueError)
         return False
     try:
         if src.len != nbytes:

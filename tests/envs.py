@@ -541,6 +541,42 @@ def indexed_fns(cls, n: int, **kwargs) -> list:
     return [functools.partial(cls, index=i, **kwargs) for i in range(n)]
 
 
+class ObsLayoutEnv(gym.Env):
+    """Observations of a float32 (3, 4) Box in a given memory layout: "c"
+    (contiguous), "fortran", "strided" (a view of every other row of a bigger
+    array), "float64" (cast on the way in) or "list" (nested lists); random
+    values from the env's seed, episodes of 7 steps."""
+
+    def __init__(self, layout: str = "c") -> None:
+        self.observation_space = spaces.Box(-1.0, 1.0, (3, 4), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self.layout = layout
+        self.t = 0
+
+    def _obs(self):
+        obs = self.np_random.uniform(-1, 1, (3, 4)).astype(np.float32)
+        if self.layout == "fortran":
+            return np.asfortranarray(obs)
+        if self.layout == "strided":
+            big = np.zeros((6, 4), np.float32)
+            big[::2] = obs
+            return big[::2]
+        if self.layout == "float64":
+            return obs.astype(np.float64)
+        if self.layout == "list":
+            return obs.tolist()
+        return obs
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(), float(action), self.t >= 7, False, {}
+
+
 #: Equivalence test cases: name -> (factory of n env_fns).
 ENV_CASES = {
     "CartPole-v1": lambda n: gym_fns("CartPole-v1", n),

@@ -217,6 +217,22 @@ def test_custom_env_step_in_main(autoreset_mode, num_workers, num_envs, shared_m
     assert stats["info_steps"] > 0
 
 
+@pytest.mark.parametrize("layout", ["c", "fortran", "strided", "float64", "list"])
+@pytest.mark.parametrize("step_in_main", [False, True])
+def test_observation_memory_layouts(layout, step_in_main):
+    """Observations not C-contiguous, or of another dtype, reach the ring row as
+    numpy would store them (the contiguous ones are copied with one memcpy)."""
+    stats = run_equivalence(
+        lambda n: test_envs.class_fns(test_envs.ObsLayoutEnv, n, layout=layout),
+        4,
+        AutoresetMode.NEXT_STEP,
+        steps=20,
+        num_workers=2,
+        step_in_main=step_in_main,
+    )
+    assert stats["ended"] > 0
+
+
 @pytest.mark.parametrize("ring_depth", [2, 3, 5])
 def test_custom_env_ring_depths(ring_depth):
     run_equivalence(
