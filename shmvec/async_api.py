@@ -261,15 +261,7 @@ class AsyncRollouts:
                 self._check_alive(index)
 
     def _recv_sync(self, timeout: float | None):
-        if self._sync_reset_pending:
-            self._sync_reset_pending = False
-            obs, infos = self.reset_wait(timeout)
-            zeros = np.zeros(self.num_envs, dtype=bool)
-            result = obs, np.zeros(self.num_envs), zeros, zeros.copy(), infos
-        else:
-            result = self.step_wait(timeout)
-        result[4]["env_id"] = np.arange(self.num_envs)
-        return result
+        return recv_whole_batch(self, timeout)
 
     def _wait_slot(self, slot: int, timeout: float | None) -> None:
         def ready(spin_ns: int, budget_ns: int) -> bool:
@@ -456,3 +448,18 @@ class AsyncRollouts:
             for info in dicts:
                 infos = batch._add_info(infos, info, row)
         return infos
+
+
+def recv_whole_batch(env: Any, timeout: float | None) -> tuple:
+    """``recv()`` when ``batch_size == num_envs`` (ShmVectorEnv and RayVectorEnv):
+    the pending reset, as a step with zero rewards, or the pending step, with
+    ``infos["env_id"]``."""
+    if env._sync_reset_pending:
+        env._sync_reset_pending = False
+        obs, infos = env.reset_wait(timeout)
+        zeros = np.zeros(env.num_envs, dtype=bool)
+        result = obs, np.zeros(env.num_envs), zeros, zeros.copy(), infos
+    else:
+        result = env.step_wait(timeout)
+    result[4]["env_id"] = np.arange(env.num_envs)
+    return result

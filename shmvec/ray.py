@@ -65,6 +65,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "shmvec.ray needs Ray: pip install 'shmvec[ray]' (or pip install 'ray>=2.9')"
     ) from exc
 
+from shmvec.async_api import recv_whole_batch
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.vector_env import ShmVectorEnv, expand_options, expand_seeds
 
@@ -603,15 +604,7 @@ class RayVectorEnv(VectorEnv):
         return result
 
     def _recv_sync(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict]:
-        if self._sync_reset_pending:
-            self._sync_reset_pending = False
-            obs, infos = self.reset_wait(timeout)
-            zeros = np.zeros(self.num_envs, dtype=bool)
-            result = obs, np.zeros(self.num_envs), zeros, zeros.copy(), infos
-        else:
-            result = self.step_wait(timeout)
-        result[4]["env_id"] = np.arange(self.num_envs)
-        return result
+        return recv_whole_batch(self, timeout)
 
     def _idle_actors(self, env_ids: Any, name: str) -> list[int]:
         """The actors whose whole blocks ``env_ids`` names; each must be idle."""

@@ -201,21 +201,17 @@ void test_segment() {
   int fd = memfd_create("not-shmvec", MFD_CLOEXEC);
   CHECK(fd >= 0);
   CHECK(ftruncate(fd, 4096) == 0);
-  threw = false;
-  try {
-    Segment::attach(fd);
-  } catch (const std::runtime_error&) {
-    threw = true;
-  }
-  CHECK(threw);
+  auto attach_throws = [](int segment_fd) {
+    try {
+      Segment::attach(segment_fd);
+    } catch (const std::runtime_error&) {
+      return true;
+    }
+    return false;
+  };
+  CHECK(attach_throws(fd));
   CHECK(ftruncate(fd, 8) == 0);  // smaller than a header
-  threw = false;
-  try {
-    Segment::attach(fd);
-  } catch (const std::runtime_error&) {
-    threw = true;
-  }
-  CHECK(threw);
+  CHECK(attach_throws(fd));
   ::close(fd);
   // The failed attaches unmapped and closed what they opened.
   CHECK(count_open_fds() == fds_before);
