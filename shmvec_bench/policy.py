@@ -41,8 +41,11 @@ class PolicyWait:
         self.policy_s = policy_us / 1e6
         self.calls = 0
         self.waited_s = 0.0
+        #: CPU time the waits used (their final spins), for the main process's account.
+        self.cpu_s = 0.0
 
     def __call__(self) -> None:
+        cpu_start = time.thread_time()
         start = time.perf_counter()
         end = start + self.policy_s
         if self.policy_s > SPIN_MARGIN_S:
@@ -52,8 +55,10 @@ class PolicyWait:
             now = time.perf_counter()
         self.calls += 1
         self.waited_s += now - start
+        self.cpu_s += time.thread_time() - cpu_start
 
     def reset(self) -> None:
         """Forgets the calls so far (after a warm-up)."""
         self.calls = 0
         self.waited_s = 0.0
+        self.cpu_s = 0.0

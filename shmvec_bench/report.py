@@ -31,8 +31,8 @@ OPTIONAL_COLUMNS: tuple[tuple[str, Callable[[Measurement], str]], ...] = (
     ("policy µs", lambda m: _fmt(m.policy_wait_us, ",.0f") if m.policy_us else ""),
     ("vs min(envs, policy)", lambda m: _ratio(m.vs_bound)),
     ("main wait", lambda m: _fmt(m.main_wait_frac, ".0%")),
-    ("main µs/round", lambda m: _fmt(m.main_us_per_round, ",.1f")),
-    ("main µs/row", lambda m: _fmt(m.main_us_per_row, ",.2f")),
+    ("main CPU µs/round", lambda m: _fmt(m.main_cpu_us_per_round, ",.1f")),
+    ("main CPU µs/row", lambda m: _fmt(m.main_cpu_us_per_row, ",.2f")),
     ("vs wait bound", lambda m: _fmt(m.vs_wait_bound, ".0%")),
 )
 

@@ -62,13 +62,16 @@ class Measurement:
     #: alone is this backend's row without the policy and policy alone is the
     #: ``policy`` row of this batch (``batch / policy wait``).
     vs_bound: float | None = None
-    #: shmvec: the share of the timed window the main process spent waiting for results.
+    #: shmvec: the share of the timed window the main process spent waiting for
+    #: results, by ``ShmVectorEnv.stats()``.
     main_wait_frac: float | None = None
-    #: shmvec: the main process's time outside the wait (and the policy) per
-    #: ``step`` call, microseconds (with ``shmvec-main`` it includes its own envs).
-    main_us_per_round: float | None = None
-    #: ``main_us_per_round`` per env step returned.
-    main_us_per_row: float | None = None
+    #: CPU time of the measuring thread (the main process's loop) per ``step``
+    #: call, less the policy stand-in's, microseconds: what the backend costs the
+    #: main process per round (with ``sync``, ``single`` and ``shmvec-main`` it
+    #: includes the envs the main process steps itself; spinning waits count).
+    main_cpu_us_per_round: float | None = None
+    #: ``main_cpu_us_per_round`` per env step returned.
+    main_cpu_us_per_row: float | None = None
     #: Total VmRSS of this process and all its children at the end of the timed window, MiB.
     rss_mib: float | None = None
     #: Waiting workloads: ``steps_per_s / (num_envs / wait per step)``, their bound.
@@ -146,7 +149,7 @@ def measure(
     """Opens, warms up, times and closes one backend; failures become ``error`` rows."""
     workers = 0
     think = PolicyWait(policy_us) if policy_us else None
-    main: dict[str, float] = {}
+    main_wait_frac = None
     try:
         with deadline(timeout_s):
             options = {"num_workers": num_workers, "context": context, "batch_size": batch_size}
@@ -160,19 +163,21 @@ def measure(
                 if think is not None:
                     think.reset()
                 before = stepper.stats() if stepper.stats else None
+                cpu_before = time.thread_time()
                 steps, elapsed, durations = run_steps(stepper, seconds)
+                cpu_s = time.thread_time() - cpu_before
+                if think is not None:
+                    cpu_s -= think.cpu_s
                 if before is not None:
                     waited = _main_wait_s(stepper.stats()) - _main_wait_s(before)
-                    policy_s = think.waited_s if think is not None else 0.0
-                    main["wait_frac"] = waited / elapsed
-                    main["per_round"] = (elapsed - waited - policy_s) / steps * 1e6
+                    main_wait_frac = waited / elapsed
                 rss = tree_rss_mib()
     except Exception as exc:  # a crash or hang is a result to report, not a reason to stop
         return Measurement(
             workload, backend, num_envs, workers, 0, 0.0, float("nan"), float("nan"),
             error=f"{type(exc).__name__}: {exc}".splitlines()[0], policy_us=policy_us,
         )  # fmt: skip
-    per_round = main.get("per_round")
+    per_round = cpu_s / steps * 1e6 if steps else None
     return Measurement(
         workload=workload,
         backend=backend,
@@ -185,9 +190,9 @@ def measure(
         batch=per_call,
         policy_us=policy_us,
         policy_wait_us=think.waited_s / think.calls * 1e6 if think and think.calls else None,
-        main_wait_frac=main.get("wait_frac"),
-        main_us_per_round=per_round,
-        main_us_per_row=None if per_round is None else per_round / per_call,
+        main_wait_frac=main_wait_frac,
+        main_cpu_us_per_round=per_round,
+        main_cpu_us_per_row=None if per_round is None else per_round / per_call,
         rss_mib=rss,
     )
 
