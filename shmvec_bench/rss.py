@@ -58,7 +58,7 @@ def tree_rss_mib(pid: int | None = None) -> float:
 
     Shared pages (a shared-memory segment, copy-on-write pages after fork) count
     once per process that maps them, as ``VmRSS`` does; compare backends with that
-    in mind. None where ``/proc`` is missing (not Linux).
+    in mind. NaN where ``/proc`` is missing (not Linux).
     """
     pid = os.getpid() if pid is None else pid
     if not os.path.isdir("/proc"):
