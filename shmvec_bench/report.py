@@ -96,7 +96,7 @@ def write_plot(
     for ax, workload in zip(axes.flat, workloads):
         rows = [m for m in ok if m.workload == workload]
         # With a --num-workers sweep a backend has several rows per num_envs: a line each.
-        sweep = len({(m.backend, m.num_envs) for m in rows}) < len(rows)
+        sweep = len({(m.backend, m.num_envs, m.policy_us) for m in rows}) < len(rows)
 
         def line(m: Measurement, sweep: bool = sweep) -> str:
             label = m.backend
