@@ -1,6 +1,6 @@
 """Fixtures and reporting for the throughput suite (see test_throughput.py).
 
-Each test opens one backend through ``shmvec.bench``, times a fixed number of
+Each test opens one backend through ``shmvec_bench.backends``, times a fixed number of
 batched steps per round with ``benchmark.pedantic`` and records steps/s in the
 benchmark's ``extra_info``. After every test, each shmvec row of the test's
 group gets its ratio against every peer of that group measured so far
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shmvec import bench
+from shmvec.spin import available_cpus
+from shmvec_bench.backends import opened
 
 
 @dataclass
@@ -81,7 +82,9 @@ def throughput(benchmark, request) -> Callable[..., Throughput | None]:
     results = request.config.stash[RESULTS]
 
     def run(workload: str, backend: str, num_envs: int, steps: int, rounds: int):
-        with bench.opened(backend, workload, num_envs) as stepper:
+        with opened(backend, workload, num_envs) as stepper:
+            if stepper.every_env_back is not None:  # async: slow resets stay out of the rounds
+                stepper.every_env_back()
             step, actions = stepper.step, stepper.actions
 
             def one_round() -> None:
@@ -114,7 +117,7 @@ def throughput(benchmark, request) -> Callable[..., Throughput | None]:
             step_us=round(result.step_us, 2),
         )
         results.append(result)
-        update_ratios(results, result.group, bench.available_cpus())
+        update_ratios(results, result.group, available_cpus())
         return result
 
     return run
@@ -127,7 +130,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     if not results:
         return
     write = terminalreporter.write_line
-    terminalreporter.write_sep("-", f"shmvec vs peers, same run ({bench.available_cpus()} cores)")
+    terminalreporter.write_sep("-", f"shmvec vs peers, same run ({available_cpus()} cores)")
     write(f"{'group':<18} {'backend':<14} {'envs':>5} {'steps/s':>12} {'step us':>10}  ratios")
     for group in dict.fromkeys(r.group for r in results):
         for row in (r for r in results if r.group == group):

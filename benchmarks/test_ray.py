@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from shmvec import ShmVectorEnv, bench
+from shmvec import ShmVectorEnv
+from shmvec.spin import available_cpus
+from shmvec_bench.workloads import WORKLOADS
 
 ray = pytest.importorskip("ray")
 
@@ -51,7 +53,7 @@ class Row:
 @pytest.fixture(scope="module")
 def rows(request) -> Iterator[list[Row]]:
     """A local Ray session for the module; prints the ratios at the end."""
-    cores = bench.available_cpus()
+    cores = available_cpus()
     ray.init(num_cpus=cores, include_dashboard=False, log_to_driver=False)
     results: list[Row] = []
     yield results
@@ -72,8 +74,8 @@ def rows(request) -> Iterator[list[Row]]:
 
 
 def open_env(backend: str, workload: str, num_envs: int):
-    factory = bench.WORKLOADS[workload]
-    cores = bench.available_cpus()
+    factory = WORKLOADS[workload]
+    cores = available_cpus()
     if backend == "shmvec":
         return ShmVectorEnv([factory] * num_envs, num_workers=cores)
     batch_size = num_envs // cores if backend == "shmvec-ray-async" else None
