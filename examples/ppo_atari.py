@@ -546,12 +546,11 @@ def train(args: Args) -> dict[str, Any]:
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     device = torch.device(args.device)
-    probe = make_atari_env(args.env_id)
-    obs_shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
-    probe.close()
-
     envs, about = make_vector(args.vector, args, device)
     try:
+        probe = make_atari_env(args.env_id)
+        obs_shape, n_actions = probe.observation_space.shape, int(probe.action_space.n)
+        probe.close()
         print(
             f"ppo_atari: {args.env_id} vector={args.vector} ({about}) num_envs={args.num_envs} "
             f"async_envs={args.async_envs} device={device} iterations={args.num_iterations}",
@@ -562,21 +561,97 @@ def train(args: Args) -> dict[str, Any]:
         envs.close()
 
 
+class Rollout:
+    """Per-env rollout buffers (the scheme of the module docstring).
+
+    Flat buffers of ``rows * num_envs`` entries; entry ``k`` of env ``e`` is at
+    ``k * num_envs + e``. ``count[e]``: entries of env ``e`` in this rollout, the
+    last of which is open (its action is in flight) once it has any.
+    """
+
+    def __init__(self, rows: int, num_envs: int, obs_shape: tuple, device) -> None:
+        self.rows, self.num_envs, self.device = rows, num_envs, device
+        size = rows * num_envs
+        self.obs = torch.zeros((size, *obs_shape), dtype=torch.uint8, device=device)
+        self.actions = torch.zeros(size, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros(size, device=device)
+        self.rewards = torch.zeros(size, device=device)
+        self.dones = torch.zeros(size, device=device)
+        self.values = torch.zeros(size, device=device)
+        self.count = np.zeros(num_envs, dtype=np.int64)
+        self.completed = 0  # complete transitions in this rollout
+
+    def close_entries(self, env_ids: np.ndarray, rewards: torch.Tensor) -> np.ndarray:
+        """Writes the rewards of the open entries of ``env_ids`` (rows whose env has
+        none, just reset, are skipped); returns the flat index of each row's entry
+        (-1 where none)."""
+        has_open = self.count[env_ids] > 0
+        at = np.where(has_open, (self.count[env_ids] - 1) * self.num_envs + env_ids, -1)
+        if has_open.all():
+            self.rewards[torch.as_tensor(at, device=self.device)] = rewards
+        elif has_open.any():
+            rows = torch.as_tensor(np.flatnonzero(has_open), device=self.device)
+            self.rewards[torch.as_tensor(at[has_open], device=self.device)] = rewards[rows]
+        self.completed += int(has_open.sum())
+        return at
+
+    def open_entries(self, env_ids: np.ndarray, obs, dones, actions, logprobs, values) -> None:
+        """Appends an entry to each env of ``env_ids``."""
+        at = torch.as_tensor(self.count[env_ids] * self.num_envs + env_ids, device=self.device)
+        self.obs[at] = obs
+        self.dones[at] = dones.float()
+        self.actions[at] = actions
+        self.logprobs[at] = logprobs
+        self.values[at] = values
+        self.count[env_ids] += 1
+
+    def complete_indices(self) -> np.ndarray:
+        """Flat indices of the complete transitions (all entries but the open ones)."""
+        complete = np.arange(self.rows)[:, None] < (self.count - 1)[None, :]
+        return np.flatnonzero(complete.reshape(-1))
+
+    def advantages(self, gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """GAE down each env's entries: ``(advantages, returns)``, flat. An env's
+        open entry gives the value and done that follow its last complete one."""
+        rows, n = self.rows, self.num_envs
+        last_complete = torch.as_tensor(self.count - 2, device=self.device)
+        rewards, values = self.rewards.view(rows, n), self.values.view(rows, n)
+        dones = self.dones.view(rows, n)
+        advantages = torch.zeros((rows, n), device=self.device)
+        lastgaelam = torch.zeros(n, device=self.device)
+        for t in reversed(range(int(self.count.max()) - 1)):
+            nextnonterminal = 1.0 - dones[t + 1]
+            delta = rewards[t] + gamma * values[t + 1] * nextnonterminal - values[t]
+            lastgaelam = delta + gamma * gae_lambda * nextnonterminal * lastgaelam
+            # Entries past an env's last complete one carry nothing back.
+            lastgaelam = torch.where(t <= last_complete, lastgaelam, 0.0)
+            advantages[t] = lastgaelam
+        advantages = advantages.view(-1)
+        return advantages, advantages + self.values
+
+    def carry_open_entries(self) -> None:
+        """Starts the next rollout: each env's open entry becomes its entry 0
+        (an env whose reset has not come back yet has none)."""
+        envs = np.flatnonzero(self.count > 0)
+        source = torch.as_tensor((self.count[envs] - 1) * self.num_envs + envs, device=self.device)
+        target = torch.as_tensor(envs, device=self.device)
+        for buffer in (self.obs, self.actions, self.logprobs, self.dones, self.values):
+            buffer[target] = buffer[source]
+        self.count[:] = 0
+        self.count[envs] = 1
+        self.completed = 0
+
+
 def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[str, Any]:
     agent = Agent(obs_shape[0], n_actions).to(device)
     optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
 
-    n, batch = args.num_envs, args.env_batch_size
-    # Rows per env: at most one per recv of a rollout, plus the carried open entry
-    # (and the reset batches of the first rollout, which complete nothing).
-    rows = (args.batch_size + n) // batch + 3
-    obs = torch.zeros((rows * n, *obs_shape), dtype=torch.uint8, device=device)
-    actions = torch.zeros(rows * n, dtype=torch.long, device=device)
-    logprobs = torch.zeros(rows * n, device=device)
-    rewards = torch.zeros(rows * n, device=device)
-    dones = torch.zeros(rows * n, device=device)
-    values = torch.zeros(rows * n, device=device)
-    count = np.zeros(n, dtype=np.int64)  # entries of each env in this rollout
+    n = args.num_envs
+    # An env comes back at most once per recv: a rollout's recvs plus the carried
+    # entry (and, in the first, the reset batches, which complete nothing) bound its
+    # entries.
+    rows = (args.batch_size + n) // args.env_batch_size + 3
+    rollout = Rollout(rows, n, obs_shape, device)
 
     returns_last20: deque[float] = deque(maxlen=20)
     episodes = 0
@@ -590,76 +665,37 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
             frac = 1.0 - (iteration - 1.0) / args.num_iterations
             optimizer.param_groups[0]["lr"] = frac * args.learning_rate
         iteration_returns: list[float] = []
-        completed = 0
-        while completed < args.batch_size:
+        while rollout.completed < args.batch_size:
             got = envs.recv()
             ids = got.env_ids
-            # Complete each returning env's open entry (an env just reset has none).
-            open_rows = count[ids] > 0
-            if open_rows.any():
-                where = torch.as_tensor(((count[ids] - 1) * n + ids)[open_rows], device=device)
-                reward = torch.sign(got.rewards)
-                if not open_rows.all():
-                    reward = reward[torch.as_tensor(np.flatnonzero(open_rows), device=device)]
-                rewards[where] = reward
-                completed += int(open_rows.sum())
-                if got.truncated is not None:
-                    # A truncated episode did not end: bootstrap it with the value of
-                    # its last observation (the env was already reset).
-                    trunc_rows, final_obs = got.truncated
-                    with torch.no_grad():
-                        final_values = agent.get_value(
-                            torch.as_tensor(final_obs, device=device)
-                        ).flatten()
-                    at = (count[ids] - 1)[trunc_rows] * n + ids[trunc_rows]
-                    rewards[torch.as_tensor(at, device=device)] += args.gamma * final_values
+            at = rollout.close_entries(ids, torch.sign(got.rewards))
+            if got.truncated is not None:
+                # A truncated episode did not end: bootstrap it with the value of its
+                # last observation (the env was already reset).
+                trunc_rows, final_obs = got.truncated
+                with torch.no_grad():
+                    final_values = agent.get_value(torch.as_tensor(final_obs, device=device))
+                at_truncated = torch.as_tensor(at[trunc_rows], device=device)
+                rollout.rewards[at_truncated] += args.gamma * final_values.flatten()
             if got.episode_returns:
                 iteration_returns += got.episode_returns
                 returns_last20.extend(got.episode_returns)
                 episodes += len(got.episode_returns)
 
-            # Open a new entry per env: act on the observations, send the actions.
-            where = torch.as_tensor(count[ids] * n + ids, device=device)
             with torch.no_grad():
                 action, logprob, _, value = agent.get_action_and_value(got.obs)
-            obs[where] = got.obs
-            dones[where] = got.dones.float()
-            actions[where] = action
-            logprobs[where] = logprob
-            values[where] = value.flatten()
-            count[ids] += 1
+            rollout.open_entries(ids, got.obs, got.dones, action, logprob, value.flatten())
             envs.send(action, ids)
+        completed = rollout.completed
         global_step += completed
 
-        # Per-env GAE: entries 0 .. count[e]-2 are complete; the open entry
-        # count[e]-1 gives the bootstrap value and done of the one before it.
         with torch.no_grad():
-            last_complete = torch.as_tensor(count - 2, device=device)  # per env
-            env_rewards, env_values = rewards.view(rows, n), values.view(rows, n)
-            env_dones = dones.view(rows, n)
-            advantages = torch.zeros((rows, n), device=device)
-            lastgaelam = torch.zeros(n, device=device)
-            for t in reversed(range(int(count.max()) - 1)):
-                nextnonterminal = 1.0 - env_dones[t + 1]
-                delta = (
-                    env_rewards[t]
-                    + args.gamma * env_values[t + 1] * nextnonterminal
-                    - env_values[t]
-                )
-                lastgaelam = delta + args.gamma * args.gae_lambda * nextnonterminal * lastgaelam
-                # Past an env's last complete entry there is nothing to carry back.
-                lastgaelam = torch.where(t <= last_complete, lastgaelam, 0.0)
-                advantages[t] = lastgaelam
-            advantages = advantages.view(-1)
-            returns = advantages + values
-
-        # Flat indices of the complete transitions; the open entries move to row 0
-        # (an env whose reset has not come back yet has none).
-        b_inds = np.flatnonzero((np.arange(rows)[:, None] < (count - 1)[None, :]).reshape(-1))
+            advantages, returns = rollout.advantages(args.gamma, args.gae_lambda)
+        b_inds = rollout.complete_indices()
         assert len(b_inds) == completed, (len(b_inds), completed)
-        has_open = np.flatnonzero(count > 0)
-        open_at = torch.as_tensor((count[has_open] - 1) * n + has_open, device=device)
-        carried = [buffer[open_at] for buffer in (obs, actions, logprobs, dones, values)]
+        obs, actions, logprobs, values = (
+            rollout.obs, rollout.actions, rollout.logprobs, rollout.values
+        )  # fmt: skip
 
         minibatch_size = max(1, len(b_inds) // args.num_minibatches)
         clipfracs = []
@@ -707,11 +743,7 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
             if args.target_kl is not None and approx_kl > args.target_kl:
                 break
 
-        first_row = torch.as_tensor(has_open, device=device)
-        for buffer, entries in zip((obs, actions, logprobs, dones, values), carried):
-            buffer[first_row] = entries
-        count[:] = 0
-        count[has_open] = 1
+        rollout.carry_open_entries()
 
         now = time.perf_counter()
         mean_return = float(np.mean(returns_last20)) if returns_last20 else float("nan")
