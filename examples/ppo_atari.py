@@ -53,8 +53,11 @@ back at most once per batch, so ``count[e]`` is at most the number of batches of
 a rollout plus one, which sizes the buffers (``2 * num_steps + 3`` rows in async
 mode, ``num_steps + 3`` in sync mode).
 
-Each iteration prints its steps/s and the returns of the episodes that ended; the
-last line is ``final: mean_return_last20=<x> steps_per_s=<y> total_steps=<z> ...``.
+Each iteration prints its steps/s, its time collecting and updating, and the
+returns of the episodes that ended; the last line is ``final: mean_return_last20=<x>
+steps_per_s=<y> total_steps=<z> rollout_steps_per_s=<r> ...`` (``r``: steps per second
+of collecting alone; in async mode the envs also step during the update, which this
+does not count).
 """
 
 from __future__ import annotations
@@ -656,6 +659,7 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
     returns_last20: deque[float] = deque(maxlen=20)
     episodes = 0
     global_step = 0
+    rollouts_s = 0.0  # time spent collecting (the rest is the update)
     started = time.perf_counter()
     envs.start(args.seed)
 
@@ -688,6 +692,8 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
             envs.send(action, ids)
         completed = rollout.completed
         global_step += completed
+        rollout_s = time.perf_counter() - iteration_started
+        rollouts_s += rollout_s
 
         with torch.no_grad():
             advantages, returns = rollout.advantages(args.gamma, args.gae_lambda)
@@ -753,6 +759,7 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
             f"iter {iteration}/{args.num_iterations} step={global_step} "
             f"sps={int(global_step / (now - started))} "
             f"iter_sps={int(completed / (now - iteration_started))} "
+            f"rollout_s={rollout_s:.2f} update_s={now - iteration_started - rollout_s:.2f} "
             f"episodes={episodes} returns=[{shown}{more}] "
             f"mean_return_last20={mean_return:.1f} "
             f"v_loss={v_loss.item():.3f} pg_loss={pg_loss.item():.4f} "
@@ -764,6 +771,7 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
     result = {
         "mean_return_last20": float(np.mean(returns_last20)) if returns_last20 else float("nan"),
         "steps_per_s": global_step / wall,
+        "rollout_steps_per_s": global_step / rollouts_s,
         "total_steps": global_step,
         "num_envs": n,
         "iterations": args.num_iterations,
@@ -775,6 +783,7 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
     print(
         f"final: mean_return_last20={result['mean_return_last20']:.2f} "
         f"steps_per_s={result['steps_per_s']:.0f} total_steps={global_step} "
+        f"rollout_steps_per_s={result['rollout_steps_per_s']:.0f} "
         f"vector={args.vector} async_envs={args.async_envs}",
         flush=True,
     )

@@ -22,7 +22,8 @@ HAS_ALE = importlib.util.find_spec("ale_py") is not None and importlib.util.find
 needs_ale = pytest.mark.skipif(not HAS_ALE, reason="needs ale-py and opencv (shmvec[atari])")
 FINAL = re.compile(
     r"^final: mean_return_last20=(?P<ret>\S+) steps_per_s=(?P<sps>\d+) "
-    r"total_steps=(?P<steps>\d+) vector=(?P<vector>\S+) async_envs=(?P<async>True|False)$"
+    r"total_steps=(?P<steps>\d+) rollout_steps_per_s=(?P<rollout_sps>\d+) "
+    r"vector=(?P<vector>\S+) async_envs=(?P<async>True|False)$"
 )
 
 
