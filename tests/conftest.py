@@ -14,3 +14,9 @@ if TESTS_DIR not in sys.path:
 _paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 if TESTS_DIR not in _paths:
     os.environ["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, *_paths])
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: minutes-long runs, skipped unless SHMVEC_SLOW=1 is set"
+    )
