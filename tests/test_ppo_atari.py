@@ -209,10 +209,8 @@ def test_parse_and_check_args(ppo):
 @needs_ale
 def test_env_matches_the_bench_pong(ppo):
     """The example's env steps as the benchmark's Pong (same seed and actions)."""
-    bench = pytest.importorskip("shmvec.bench")
-    make_pong = getattr(bench, "make_pong", None)
-    if make_pong is None:
-        pytest.skip("shmvec.bench has no make_pong")
+    from shmvec_bench.workloads import make_pong
+
     ours, theirs = ppo.make_atari_env("ALE/Pong-v5"), make_pong()
     try:
         obs, _ = ours.reset(seed=3)
