@@ -226,10 +226,12 @@ def batch_actions(space: spaces.Space, actions: Any, num_envs: int) -> Any:
 
     Raises:
         ActionCountError: not one action per env.
-        TypeError: not a batch, a per-env action of the wrong structure, or a
-            dtype the space's cannot hold without changing values.
+        TypeError: not a batch, a per-env action not a dict (tuple) for a Dict
+            (Tuple) space, or a dtype the space's cannot hold without changing
+            values.
         KeyError: a per-env dict without a key of the space.
-        ValueError: per-env actions of different shapes.
+        ValueError: per-env actions of different shapes, a per-env tuple of
+            the wrong length.
     """
     if isinstance(space, spaces.Dict) and isinstance(actions, dict):
         return actions  # gymnasium's batched form
@@ -268,9 +270,11 @@ def _stack_actions(space: spaces.Space, items: Any, path: str) -> Any:
     if isinstance(space, spaces.Tuple):
         width = len(space.spaces)
         for env, item in enumerate(items):
-            if not isinstance(item, (tuple, list, np.ndarray)) or len(item) != width:
-                raise TypeError(
-                    f"action{path} of env {env} is not a tuple of {width} for {space}: {item!r}"
+            if not isinstance(item, (tuple, list, np.ndarray)):
+                raise TypeError(f"action{path} of env {env} is not a tuple for {space}: {item!r}")
+            if len(item) != width:
+                raise ValueError(
+                    f"action{path} of env {env} has {len(item)} entries, {space} has {width}"
                 )
         return tuple(
             _stack_actions(sub, [item[j] for item in items], f"{path}[{j}]")
