@@ -504,15 +504,24 @@ def test_sb3_env_fns_make_prebuilt_envs_exact():
 # ===================================================================================
 
 import copy  # noqa: E402
+import csv  # noqa: E402
 import functools  # noqa: E402
+import json  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
 
 from gymnasium import spaces  # noqa: E402
+from stable_baselines3.common.envs import BitFlippingEnv  # noqa: E402
+from stable_baselines3.common.evaluation import evaluate_policy  # noqa: E402
+from stable_baselines3.common.monitor import get_monitor_files, load_results  # noqa: E402
 from stable_baselines3.common.vec_env import (  # noqa: E402
     SubprocVecEnv,
+    VecCheckNan,
+    VecExtractDictObs,
     VecFrameStack,
+    VecMonitor,
     VecNormalize,
     VecVideoRecorder,
+    sync_envs_normalization,
 )
 
 from shmvec.sb3 import ActionCountError, batch_actions  # noqa: E402
@@ -1285,3 +1294,339 @@ def test_video_recorder(tmp_path):
             "agent-CartPole-v1-step-65-to-step-75.mp4",
         ]
     )
+
+
+# -------------------------------------------------- test_vec_normalize.py's
+
+
+def compare_runs(run, kind: str = "shm") -> Log:
+    """``run(kind, log)`` for DummyVecEnv and ``kind``; asserts the logs agree."""
+    logs = {}
+    for name in ("dummy", kind):
+        logs[name] = Log()
+        run(name, logs[name])
+    assert len(logs["dummy"]) > 0
+    assert_same_log(logs[kind], logs["dummy"], exact=kind != "subproc")
+    return logs["dummy"]
+
+
+def rms_state(norm: VecNormalize) -> dict:
+    """What SB3's check_vec_norm_equal compares: the running statistics and returns."""
+
+    def one(rms) -> dict:
+        return {"mean": rms.mean, "var": rms.var, "count": rms.count}
+
+    obs_rms = getattr(norm, "obs_rms", None)  # absent with norm_obs=False
+    if isinstance(obs_rms, dict):
+        obs = {k: one(v) for k, v in obs_rms.items()}
+    else:
+        obs = None if obs_rms is None else one(obs_rms)
+    return {"obs_rms": obs, "ret_rms": one(norm.ret_rms), "returns": norm.returns}
+
+
+def sample_actions(venv: VecEnv) -> list:
+    return [venv.action_space.sample() for _ in range(venv.num_envs)]
+
+
+def test_obs_rms_vec_normalize():
+    def scenario(venv: VecEnv, log: Log) -> None:
+        norm = VecNormalize(venv)
+        norm.action_space.seed(0)
+        norm.reset()
+        log.add("after reset", rms_state(norm))
+        log.step(norm, sample_actions(norm), "first")
+        log.add("after a step", rms_state(norm))
+        for _ in range(300):
+            norm.step(sample_actions(norm))
+        log.add("after 300 steps", rms_state(norm))
+
+    fns = [functools.partial(RewardEnv, 0), functools.partial(RewardEnv, 1)]
+    log = compare("shm", fns, scenario)
+    assert np.allclose(dict(log)["after a step"]["obs_rms"]["mean"], 1.25, atol=1e-4)
+
+
+def image_env() -> gym.Env:
+    return Monitor(SpaceEnv(spaces.Box(0, 255, (36, 36, 3), np.uint8)))
+
+
+@pytest.mark.parametrize(
+    "make", [pendulum(), monitored(GoalEnv), image_env], ids=["pendulum", "dict", "image"]
+)
+def test_vec_normalize_clip_save_load(tmp_path, make):
+    def run(kind: str, log: Log) -> None:
+        venv = make_vec(kind, [make])
+        try:
+            norm = VecNormalize(venv, clip_obs=0.5, clip_reward=5.0)
+            log.add("render_mode", (venv.render_mode, norm.render_mode))
+            norm.seed(0)
+            norm.action_space.seed(0)
+            norm.reset()
+            for t in range(250):
+                _, _, dones, _ = log.step(norm, sample_actions(norm), f"step {t}")
+                if dones[0]:
+                    break
+            path = tmp_path / f"vec_normalize_{kind}"
+            norm.save(path)
+            loaded = VecNormalize.load(path, venv=venv)
+            log.add("loaded render_mode", loaded.render_mode)
+            log.add("loaded", rms_state(loaded))
+            log.add("saved", rms_state(norm))
+            log.add("settings", [getattr(loaded, k) for k in ("clip_obs", "clip_reward", "gamma")])
+        finally:
+            venv.close()
+
+    log = compare_runs(run)
+    assert any(label.endswith("dones") and value[0] for label, value in log)
+
+
+def warmstart(env_fn, steps: int = 100, **kwargs):
+    """SB3's _make_warmstart and what its tests then check, as a scenario."""
+
+    def scenario(venv: VecEnv, log: Log) -> None:
+        try:
+            norm = VecNormalize(venv, **kwargs)
+        except Exception as error:  # the kind of error is compared
+            log.add("wrap", Raised(error))
+            return
+        log.add("wrap", "made")
+        norm.seed(0)
+        norm.action_space.seed(0)
+        log.add("reset", norm.reset())
+        log.add("original reset", norm.get_original_obs())
+        for t in range(steps):
+            log.step(norm, sample_actions(norm), f"step {t}")
+        obs = log.add("last obs", norm.get_original_obs())
+        reward = log.add("last reward", norm.get_original_reward())
+        log.add("normalize_obs", norm.normalize_obs(obs))
+        log.add("normalize_reward", norm.normalize_reward(reward))
+        log.add("normalize external", norm.normalize_reward(np.array([1, 1])))
+        log.add("rms", rms_state(norm))
+
+    return scenario
+
+
+def cliff_walking() -> gym.Env:
+    return gym.make("CliffWalking-v1")
+
+
+WARMSTARTS = {
+    "cartpole": (cartpole(500), {}),
+    "dict": (GoalEnv, {}),
+    "dict_selected_keys": (GoalEnv, {"norm_obs_keys": ["observation"]}),
+    "discrete_obs": (cliff_walking, {}),  # ValueError: "only supports" Box/Dict
+    "discrete_obs_no_norm": (cliff_walking, {"norm_obs": False}),
+    "box_with_keys": (RewardEnv, {"norm_obs_keys": ["key"]}),  # ValueError
+    "mixed_dict": (functools.partial(GoalEnv, mixed=True), {}),  # ValueError
+    "mixed_dict_keys": (
+        functools.partial(GoalEnv, mixed=True),
+        {"norm_obs_keys": ["obs1", "obs3"]},
+    ),
+    "mixed_dict_no_norm": (functools.partial(GoalEnv, mixed=True), {"norm_obs": False}),
+}
+
+
+@pytest.mark.parametrize("case", WARMSTARTS)
+def test_vec_normalize_warmstart(case):
+    env_fn, kwargs = WARMSTARTS[case]
+    log = compare("shm", [env_fn], warmstart(env_fn, **kwargs))
+    should_fail = case in ("discrete_obs", "box_with_keys", "mixed_dict")
+    assert isinstance(dict(log)["wrap"], Raised) == should_fail
+
+
+@pytest.mark.parametrize("make", [pendulum(), monitored(GoalEnv)], ids=["pendulum", "dict"])
+def test_sync_vec_normalize(make):
+    def run(kind: str, log: Log) -> None:
+        original, eval_base = make_vec(kind, [make]), make_vec(kind, [make])
+        try:
+            settings = {"norm_obs": True, "norm_reward": True, "clip_obs": 100.0}
+            env = VecNormalize(original, clip_reward=100.0, **settings)
+            eval_env = VecNormalize(eval_base, training=False, clip_reward=100.0, **settings)
+            if not isinstance(env.observation_space, spaces.Dict):
+                env, eval_env = VecFrameStack(env, 1), VecFrameStack(eval_env, 1)
+            env.seed(0)
+            env.action_space.seed(0)
+            env.reset()
+            for t in range(100):
+                _, rewards, _, _ = log.step(env, sample_actions(env), f"step {t}")
+            log.add("original reward", env.get_original_reward())
+            log.add("unnormalized reward", env.unnormalize_reward(rewards))
+            obs = log.add("reset", env.reset())
+            original_obs = log.add("original obs", env.get_original_obs())
+            log.add("unnormalized obs", env.unnormalize_obs(obs))
+            log.add("eval before sync", eval_env.normalize_obs(original_obs))
+            sync_envs_normalization(env, eval_env)
+            log.add("eval after sync", eval_env.normalize_obs(original_obs))
+            log.add("rewards after sync", eval_env.normalize_reward(np.linspace(0, 1, 10)))
+        finally:
+            original.close()
+            eval_base.close()
+
+    compare_runs(run)
+
+
+# ---------------------------------------------------- test_vec_monitor.py's
+
+
+def read_monitor_file(path) -> tuple[list, list]:
+    """The header's keys and the (r, l) of each logged episode (not t: wall clock)."""
+    with open(path) as file:
+        metadata = json.loads(file.readline()[1:])
+        rows = list(csv.DictReader(file))
+    return sorted(metadata), [(row["r"], row["l"], sorted(row)) for row in rows]
+
+
+def test_vec_monitor(tmp_path):
+    def run(kind: str, log: Log) -> None:
+        path = tmp_path / f"{kind}.monitor.csv"
+        venv = VecMonitor(make_vec(kind, [cartpole(500)]), str(path))
+        try:
+            venv.seed(0)
+            venv.action_space.seed(0)
+            venv.reset()
+            for t in range(300):
+                log.step(venv, sample_actions(venv), f"step {t}")
+        finally:
+            venv.close()
+        log.add("file", read_monitor_file(path))
+
+    log = compare_runs(run)
+    keys, episodes = dict(log)["file"]
+    assert keys == ["env_id", "t_start"] and len(episodes) > 5
+    assert episodes[0][2] == ["l", "r", "t"]
+
+
+def test_vec_monitor_info_keywords(tmp_path):
+    def run(kind: str, log: Log) -> None:
+        path = tmp_path / f"{kind}.monitor.csv"
+        venv = VecMonitor(make_vec(kind, [BitFlippingEnv]), str(path), ("is_success",))
+        try:
+            venv.seed(0)
+            venv.action_space.seed(0)
+            venv.reset()
+            for t in range(200):
+                log.step(venv, sample_actions(venv), f"step {t}")
+        finally:
+            venv.close()
+        log.add("file", read_monitor_file(path))
+
+    log = compare_runs(run)
+    episodes = dict(log)["file"][1]
+    assert episodes and all(columns == ["is_success", "l", "r", "t"] for *_, columns in episodes)
+
+
+def test_vec_monitor_load_results(tmp_path):
+    pytest.importorskip("pandas", reason="SB3's load_results reads monitor files with pandas")
+
+    def run(kind: str, log: Log) -> None:
+        folder = tmp_path / kind
+        folder.mkdir()
+        for n in range(2):
+            venv = VecMonitor(make_vec(kind, [cartpole(500)]), str(folder / f"{n}.monitor.csv"))
+            try:
+                log.add(f"files {n}", len(get_monitor_files(str(folder))))
+                venv.seed(n)
+                venv.action_space.seed(n)
+                venv.reset()
+                episodes = 0
+                for _ in range(300):
+                    _, _, dones, _ = venv.step(sample_actions(venv))
+                    if dones[0]:
+                        episodes += 1
+                        venv.reset()
+                log.add(f"episodes {n}", episodes)
+            finally:
+                venv.close()
+            log.add(f"results {n}", len(load_results(str(folder)).index))
+
+    log = dict(compare_runs(run))
+    assert log["results 1"] == log["episodes 0"] + log["episodes 1"] > 0
+
+
+def test_vec_monitor_ppo():
+    def run(kind: str, log: Log) -> None:
+        venv = VecMonitor(make_vec(kind, [cartpole(500)]))
+        try:
+            venv.seed(0)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model = PPO("MlpPolicy", venv, n_steps=64, seed=0, device="cpu")
+                model.learn(total_timesteps=128)
+                log.add("evaluation", evaluate_policy(model, venv, n_eval_episodes=3))
+            log.add("warnings", [str(w.message) for w in caught])
+        finally:
+            venv.close()
+
+    log = dict(compare_runs(run))
+    assert log["warnings"] == []  # no "not wrapped with a Monitor" from evaluate_policy
+
+
+def test_vec_monitor_warns_over_monitor_wrapped_envs():
+    for kind in ("dummy", "shm"):
+        venv = make_vec(kind, [pendulum()])
+        try:
+            with pytest.warns(UserWarning, match="Monitor"):
+                VecMonitor(venv)
+            with pytest.warns(UserWarning, match="Monitor"):
+                VecMonitor(VecNormalize(venv))
+        finally:
+            venv.close()
+
+
+# -------------------------------------- test_vec_check_nan.py's, and the others
+
+
+def test_check_nan():
+    def scenario(venv: VecEnv, log: Log) -> None:
+        checked = VecCheckNan(venv, raise_exception=True)
+        for actions in ([[0]], [[float("nan")]], [[float("inf")]], [[-1]], [[1]], [[0.0]]):
+            log.call(f"step {actions}", lambda a=actions: list(checked.step(a)[:3]))
+        log.call("reset", checked.reset)
+
+    log = compare("shm", [NanAndInfEnv], scenario)
+    assert [isinstance(value, Raised) for _, value in log] == [0, 1, 1, 1, 1, 0, 0]
+    # SB3's last step gives two actions to one env: DummyVecEnv drops the second,
+    # SubprocVecEnv raises a ValueError (zip strict), and so does the adapter.
+    venv = VecCheckNan(make_vec("shm", [NanAndInfEnv]), raise_exception=True)
+    try:
+        with pytest.raises(ValueError, match="2 actions for 1 envs"):
+            venv.step(np.array([[0, 1], [0, 1]]))
+    finally:
+        venv.close()
+
+
+DICT_IMAGE = spaces.Dict(
+    {"rgb": spaces.Box(0, 255, (86, 86), np.uint8), "vec": spaces.Box(-1, 1, (3,), np.float32)}
+)
+
+
+def test_extract_dict_obs():
+    def scenario(venv: VecEnv, log: Log) -> None:
+        extracted = VecExtractDictObs(venv, "rgb")
+        extracted.seed(0)
+        extracted.action_space.seed(0)
+        log.add("reset", extracted.reset())
+        for t in range(10):
+            log.step(extracted, sample_actions(extracted), f"step {t}")
+
+    log = dict(compare("shm", [space_env(DICT_IMAGE, ep_length=3)] * 4, scenario))
+    assert log["reset"].shape == (4, 86, 86)
+    assert log["step 2 infos"][0]["terminal_observation"].shape == (86, 86)
+
+
+def test_frame_stack_dict_obs_over_episode_ends():
+    """test_vec_stacked_obs.py's episode termination, through VecFrameStack."""
+    space = spaces.Dict(
+        {"key1": spaces.Box(0, 255, (3, 5, 4), np.uint8), "key2": spaces.Box(-1, 1, (4, 5))}
+    )
+
+    def scenario(venv: VecEnv, log: Log) -> None:
+        stacked = VecFrameStack(venv, 4, channels_order={"key1": "first", "key2": "last"})
+        stacked.seed(0)
+        stacked.action_space.seed(0)
+        log.add("reset", stacked.reset())
+        for t in range(7):
+            log.step(stacked, sample_actions(stacked), f"step {t}")
+
+    fns = [space_env(space, ep_length=3), space_env(space, ep_length=4)]
+    log = dict(compare("shm", fns, scenario))
+    assert log["step 6 obs"]["key1"].shape == (2, 12, 5, 4)
