@@ -607,7 +607,7 @@ class RewardEnv(gym.Env):
 
     def __init__(self, return_reward_idx: int = 0) -> None:
         self.action_space = spaces.Discrete(2)
-        self.observation_space = spaces.Box(np.array([-1.0]), np.array([1.0]))
+        self.observation_space = spaces.Box(-1.0, 1.0, (1,), np.float32)
         self.returned_rewards = [0, 1, 3, 4]
         self.return_reward_idx = return_reward_idx
         self.t = return_reward_idx
@@ -733,7 +733,7 @@ def make_vec(kind: str, env_fns: list) -> VecEnv:
     if kind == "dummy":
         return DummyVecEnv(env_fns)
     if kind == "subproc":
-        return SubprocVecEnv(env_fns)
+        return SubprocVecEnv(env_fns, start_method="fork")  # forkserver: ~10 s a test
     return ShmSB3VecEnv(env_fns, num_workers=min(2, len(env_fns)))
 
 
@@ -741,7 +741,7 @@ def vec_env_cls(kind: str) -> tuple[type, dict]:
     """``make_vec_env``'s ``vec_env_cls`` and ``vec_env_kwargs`` of a kind."""
     return {
         "dummy": (DummyVecEnv, {}),
-        "subproc": (SubprocVecEnv, {}),
+        "subproc": (SubprocVecEnv, {"start_method": "fork"}),
         "shm": (ShmSB3VecEnv, {"num_workers": 1}),
     }[kind]
 
@@ -1142,7 +1142,7 @@ def framestack(channels_order: str | None):
 @pytest.mark.parametrize("channels_order", [None, "last", "first", "not_valid"])
 def test_framestack_vecenv(shape, channels_order):
     dtype = np.uint8 if len(shape) == 3 else np.float32
-    space = spaces.Box(np.zeros(shape), np.full(shape, 255), dtype=dtype)
+    space = spaces.Box(np.zeros(shape, dtype), np.full(shape, 255, dtype), dtype=dtype)
     log = compare("shm", [space_env(space)] * N_ENVS, framestack(channels_order))
     if channels_order == "not_valid":
         assert isinstance(dict(log)["wrap"], Raised)
