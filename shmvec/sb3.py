@@ -16,10 +16,25 @@ translates:
   included) become per-env dicts holding only the keys each env reported.
 - ``reset()`` takes no arguments: seeds set with ``seed()`` and options set with
   ``set_options()`` are used once, at the next reset, as in SB3's own VecEnvs.
+- ``rewards`` are float32, as ``DummyVecEnv`` returns them.
 - ``get_attr``/``set_attr``/``env_method``/``env_is_wrapped`` take ``indices``
-  and behave as in ``SubprocVecEnv``: ``get_attr`` returns attributes without
+  and behave as in ``DummyVecEnv``: ``get_attr`` returns attributes without
   calling them, ``set_attr`` is ``setattr`` on the outermost wrapper, and only
-  the envs named by ``indices`` are touched.
+  the envs named by ``indices`` are touched. ``indices`` index the envs as a
+  Python list would (None, an int, negative ints, a list, a range; an index
+  named twice runs twice); one out of range is an ``IndexError`` raised before
+  anything reaches a worker.
+- ``step``/``step_async`` take what SB3's VecEnvs take: a batched array, or a
+  list of one action per env (for Dict and Tuple spaces, a list of per-env
+  dicts or tuples, ``[venv.action_space.sample() for _ in range(n)]``); also
+  gymnasium's batched form (a dict of arrays, a tuple of arrays). They are
+  stacked into the batched form before anything reaches a worker; a batch
+  with the wrong number of actions raises ``ActionCountError`` (both an
+  ``IndexError``, as in ``DummyVecEnv``, and a ``ValueError``, as in
+  ``SubprocVecEnv``). Actions of a dtype the space's cannot hold safely
+  (floats for an integer space) are cast only when that keeps their values,
+  else a ``TypeError`` says so: shared memory has the space's dtype, where
+  ``DummyVecEnv`` hands the env whatever it was given.
 
 Built from ``env_fns``, every env carries a small helper attribute
 (``_shmvec_sb3``, see ``sb3_env_fns``) through which the worker runs these
@@ -63,6 +78,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium import spaces
 from gymnasium.vector import VectorEnv
 from gymnasium.vector.vector_env import AutoresetMode
 from stable_baselines3.common.vec_env.base_vec_env import (
@@ -74,7 +90,7 @@ from stable_baselines3.common.vec_env.base_vec_env import (
 
 from shmvec.vector_env import ShmVectorEnv
 
-__all__ = ["ShmSB3VecEnv", "sb3_env_fns", "unbatch_infos"]
+__all__ = ["ActionCountError", "ShmSB3VecEnv", "batch_actions", "sb3_env_fns", "unbatch_infos"]
 
 #: The attribute, set on each env's outermost wrapper, holding its ``_EnvOps``.
 OPS_ATTR = "_shmvec_sb3"
@@ -179,6 +195,114 @@ def unbatch_infos(infos: dict[str, Any], num_envs: int) -> list[dict[str, Any]]:
     return out
 
 
+# ------------------------------------------------------------- action batches
+
+#: The spaces whose batch is one array (one column of shared memory).
+_ARRAY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+
+
+class ActionCountError(IndexError, ValueError):
+    """A batch of actions that does not hold one action per env.
+
+    An ``IndexError``, as ``DummyVecEnv`` raises for too few actions, and a
+    ``ValueError``, as ``SubprocVecEnv`` raises for too few or too many.
+    """
+
+
+def batch_actions(space: spaces.Space, actions: Any, num_envs: int) -> Any:
+    """SB3's forms of an action batch as the batched form of ``space``.
+
+    Args:
+        space: one env's action space.
+        actions: a batched array, a list (or tuple, or object array) of one
+            action per env, or gymnasium's batched form of a Dict space (a dict
+            of batches) or of a Tuple space (a tuple of one batch per subspace).
+        num_envs: the number of envs.
+
+    Returns:
+        The batch as ``ShmVectorEnv.step`` takes it: an array for Box,
+        Discrete, MultiDiscrete and MultiBinary, a dict or tuple of those for
+        Dict and Tuple spaces; a list for other spaces.
+
+    Raises:
+        ActionCountError: not one action per env.
+        TypeError: not a batch, a per-env action not a dict (tuple) for a Dict
+            (Tuple) space, or a dtype the space's cannot hold without changing
+            values.
+        KeyError: a per-env dict without a key of the space.
+        ValueError: per-env actions of different shapes, a per-env tuple of
+            the wrong length.
+    """
+    if isinstance(space, spaces.Dict) and isinstance(actions, dict):
+        return actions  # gymnasium's batched form
+    if (
+        isinstance(space, spaces.Tuple)
+        and isinstance(actions, tuple)
+        and len(actions) == len(space.spaces)
+    ):
+        return actions  # gymnasium's batched form (also when len(space.spaces) == num_envs)
+    try:
+        count = len(actions)
+    except TypeError:
+        raise TypeError(
+            f"actions must be a batch of one action per env (an array or a list), got {actions!r}"
+        ) from None
+    if count != num_envs:
+        raise ActionCountError(f"got {count} actions for {num_envs} envs")
+    return _stack_actions(space, actions, "")
+
+
+def _stack_actions(space: spaces.Space, items: Any, path: str) -> Any:
+    """Per-env actions ``items`` (one per env) stacked into ``space``'s batched form."""
+    if isinstance(space, spaces.Dict):
+        columns: dict[str, list] = {key: [] for key in space.spaces}
+        for env, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise TypeError(f"action{path} of env {env} is not a dict for {space}: {item!r}")
+            for key, column in columns.items():
+                if key not in item:
+                    raise KeyError(f"action{path} of env {env} has no key {key!r} of {space}")
+                column.append(item[key])
+        return {
+            key: _stack_actions(sub, columns[key], f"{path}[{key!r}]")
+            for key, sub in space.spaces.items()
+        }
+    if isinstance(space, spaces.Tuple):
+        width = len(space.spaces)
+        for env, item in enumerate(items):
+            if not isinstance(item, (tuple, list, np.ndarray)):
+                raise TypeError(f"action{path} of env {env} is not a tuple for {space}: {item!r}")
+            if len(item) != width:
+                raise ValueError(
+                    f"action{path} of env {env} has {len(item)} entries, {space} has {width}"
+                )
+        return tuple(
+            _stack_actions(sub, [item[j] for item in items], f"{path}[{j}]")
+            for j, sub in enumerate(space.spaces)
+        )
+    if not isinstance(space, _ARRAY_SPACES):
+        return list(items)  # Text, Graph, ...: the ShmVectorEnv sends them pickled
+    if type(items) is np.ndarray and items.dtype == space.dtype:
+        return items
+    try:
+        array = np.asarray(items)
+    except ValueError as error:
+        raise ValueError(f"actions{path} of different shapes for {space}: {error}") from None
+    if not np.can_cast(array.dtype, space.dtype, casting="same_kind"):
+        # Floats for an integer space (SB3's VecEnvs pass them on as they are): shared
+        # memory holds the space's dtype, so only a cast that keeps the values will do.
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            cast = array.astype(space.dtype) if array.dtype != object else None
+        if cast is None or not np.array_equal(cast, array):
+            raise TypeError(
+                f"actions{path} of dtype {array.dtype} do not fit the dtype {space.dtype} "
+                f"of {space} without changing their values"
+            )
+        array = cast
+    return array
+
+
 # -------------------------------------------------------------------- adapter
 
 
@@ -264,8 +388,9 @@ class ShmSB3VecEnv(VecEnv):
 
     def reset(self) -> VecEnvObs:
         """Resets every env with the pending seeds and options; returns the observations."""
-        options = [opts or None for opts in self._options]
-        seeds = list(self._seeds)
+        # Read as DummyVecEnv does: too short a list of options is an IndexError.
+        options = [self._options[i] or None for i in range(self.num_envs)]
+        seeds = [self._seeds[i] for i in range(self.num_envs)]
         obs, infos = self.shm_env.reset(
             seed=None if all(s is None for s in seeds) else seeds,
             options=None if all(o is None for o in options) else options,
@@ -275,8 +400,13 @@ class ShmSB3VecEnv(VecEnv):
         self._reset_options()
         return obs
 
-    def step_async(self, actions: np.ndarray) -> None:
-        """Starts a step (the ShmVectorEnv's ``step_async`` when it has one)."""
+    def step_async(self, actions: np.ndarray | Sequence[Any]) -> None:
+        """Starts a step (the ShmVectorEnv's ``step_async`` when it has one).
+
+        ``actions``: a batched array or a list of one action per env (see
+        ``batch_actions``), checked and stacked before anything reaches a worker.
+        """
+        actions = batch_actions(self.action_space, actions, self.num_envs)
         if hasattr(self.shm_env, "step_async"):
             self.shm_env.step_async(actions)
         else:  # a gymnasium vector wrapper: step in step_wait
@@ -295,7 +425,7 @@ class ShmSB3VecEnv(VecEnv):
         truncations = np.asarray(truncations, dtype=bool)
         dones = terminations | truncations
         infos = self._sb3_infos(infos, dones, terminations, truncations)
-        return obs, np.asarray(rewards), dones, infos
+        return obs, np.asarray(rewards, dtype=np.float32), dones, infos
 
     def _sb3_infos(self, infos: dict, dones: np.ndarray, terminations, truncations) -> list[dict]:
         n = self.num_envs
@@ -324,13 +454,36 @@ class ShmSB3VecEnv(VecEnv):
     # --------------------------------------------------------- attributes & co
 
     def _indices(self, indices: VecEnvIndices) -> list[int]:
-        return [int(i) for i in self._get_indices(indices)]
+        """``indices`` as env positions, read as a Python list reads indices (as SB3 does)."""
+        envs = range(self.num_envs)
+        try:
+            return [envs[i] for i in self._get_indices(indices)]
+        except IndexError:
+            raise IndexError(
+                f"env indices {indices!r} out of range for {self.num_envs} envs"
+            ) from None
 
     def _ops(self, op: str, indices: list[int], *args: Any) -> list[Any]:
-        """Runs ``op`` in the envs of ``indices`` (only those) through their ``_EnvOps``."""
-        subset = None if indices == list(range(self.num_envs)) else frozenset(indices)
-        results = self._calls.call(OPS_ATTR, op, subset, *args)
-        return [results[i] for i in indices]
+        """Runs ``op`` in the envs of ``indices`` (only those) through their ``_EnvOps``.
+
+        An env named n times runs ``op`` n times, in n rounds, as in DummyVecEnv.
+        """
+        results: list[Any] = [None] * len(indices)
+        pending = list(enumerate(indices))
+        while pending:
+            this_round: dict[int, int] = {}  # env -> position in results
+            later = []
+            for position, env in pending:
+                if env in this_round:
+                    later.append((position, env))
+                else:
+                    this_round[env] = position
+            subset = None if len(this_round) == self.num_envs else frozenset(this_round)
+            outputs = self._calls.call(OPS_ATTR, op, subset, *args)
+            for env, position in this_round.items():
+                results[position] = outputs[env]
+            pending = later
+        return results
 
     def has_attr(self, attr_name: str) -> bool:
         """Whether every env (or one of its wrappers) has ``attr_name``."""
