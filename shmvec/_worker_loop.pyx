@@ -19,6 +19,8 @@ from numpy import shape as _shape
 from shmvec.infos import CELL_KINDS as _CELL_KINDS
 from shmvec.infos import CODES as _CODES
 from shmvec.infos import INFO_COLUMNS
+from shmvec import protocol
+from shmvec.protocol import ENV_IDLE, ENV_RESET
 
 cdef extern from "barrier.h" namespace "shmvec":
     cdef cppclass BarrierWords:
@@ -41,14 +43,16 @@ cdef extern from "barrier.h" namespace "shmvec":
         void arrive(bint message) nogil
         uint32_t generation() nogil
 
-# Autoreset modes, as ints (shmvec.worker maps gymnasium's enum onto them).
+# Autoreset modes (shmvec.protocol.AUTORESET_CODES), as C constants for the hot loop.
 cdef enum:
     NEXT_STEP = 0
     SAME_STEP = 1
     DISABLED = 2
 
-# The same codes, for Python.
-MODE_NEXT_STEP, MODE_SAME_STEP, MODE_DISABLED = NEXT_STEP, SAME_STEP, DISABLED
+if (NEXT_STEP, SAME_STEP, DISABLED) != (
+    protocol.AUTORESET_NEXT_STEP, protocol.AUTORESET_SAME_STEP, protocol.AUTORESET_DISABLED
+):
+    raise ImportError("shmvec._worker_loop was built for other autoreset codes: rebuild it")
 
 
 cdef class WorkerBarrier:
@@ -372,11 +376,6 @@ cdef class WorkerRing:
         with nogil:
             self.ring.publish(slot)
 
-
-# Env commands of the async engine (one uint8 per env in the segment).
-ENV_IDLE = 0
-ENV_STEP = 1
-ENV_RESET = 2
 
 
 def step_pending(

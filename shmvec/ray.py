@@ -65,9 +65,20 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "shmvec.ray needs Ray: pip install 'shmvec[ray]' (or pip install 'ray>=2.9')"
     ) from exc
 
-from shmvec.async_api import recv_whole_batch
+from shmvec.batching import (
+    batch_infos,
+    check_env_ids,
+    check_reset_mask,
+    expand_options,
+    expand_seeds,
+    recv_whole_batch,
+    rows_with_info,
+    split_blocks,
+    take_reset_mask,
+    unbatch_info,
+)
 from shmvec.errors import WorkerDiedError, add_note
-from shmvec.vector_env import ShmVectorEnv, expand_options, expand_seeds
+from shmvec.vector_env import ShmVectorEnv
 
 __all__ = ["ActorDiedError", "RayVectorEnv"]
 
@@ -167,9 +178,7 @@ class EnvActor:
         """After a restart: resets the envs and reports them truncated, as a step batch."""
         obs, infos = self.reset(None, None, None)
         n = len(self.env_ids)
-        rows = _Rows(n)
-        for row in range(n):
-            infos = rows._add_info(infos, {ACTOR_RESTARTED: True}, row)
+        infos = batch_infos([(row, [{ACTOR_RESTARTED: True}]) for row in range(n)], n, infos)
         return obs, np.zeros(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), infos
 
     def call(self, name: str, args: tuple, kwargs: dict) -> tuple:
@@ -286,7 +295,7 @@ class RayVectorEnv(VectorEnv):
         self.group_size = group_size
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.on_actor_death = on_actor_death
-        self.actor_env_ids = _split_blocks(self.num_envs, num_actors)
+        self.actor_env_ids = split_blocks(self.num_envs, num_actors)
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
         self._batch_actors = self._check_batch_size()
         self.actor_restarts = [0] * num_actors
@@ -417,13 +426,10 @@ class RayVectorEnv(VectorEnv):
             raise RuntimeError(
                 "with batch_size < num_envs, reset with async_reset() and read with recv()"
             )
-        if isinstance(options, dict) and "reset_mask" in options:
-            if reset_mask is not None:
-                raise ValueError("reset_mask given twice: in options and as an argument")
-            options = dict(options)
-            reset_mask = options.pop("reset_mask")
+        options = dict(options) if isinstance(options, dict) else options
+        reset_mask = take_reset_mask(options, reset_mask)
         if reset_mask is not None:
-            reset_mask = _check_reset_mask(reset_mask, self.num_envs)
+            reset_mask = check_reset_mask(reset_mask, self.num_envs)
         seeds, per_actor = self._expand_seeds(seed), self._split_options(options)
         self._reset_args = {}
         for k, rows in enumerate(self.actor_env_ids):
@@ -537,7 +543,7 @@ class RayVectorEnv(VectorEnv):
             if self._last_env_ids is None:
                 raise ValueError("send() needs env_ids: no recv() has returned any yet")
             env_ids = self._last_env_ids
-        ids = _check_env_ids(env_ids, self.num_envs)
+        ids = check_env_ids(env_ids, self.num_envs)
         _check_rows(self.single_action_space, actions, len(ids))
         if not self.is_async:
             if sorted(ids.tolist()) != list(range(self.num_envs)):
@@ -604,11 +610,12 @@ class RayVectorEnv(VectorEnv):
         return result
 
     def _recv_sync(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict]:
-        return recv_whole_batch(self, timeout)
+        pending, self._sync_reset_pending = self._sync_reset_pending, False
+        return recv_whole_batch(self, pending, timeout)
 
     def _idle_actors(self, env_ids: Any, name: str) -> list[int]:
         """The actors whose whole blocks ``env_ids`` names; each must be idle."""
-        ids = _check_env_ids(env_ids, self.num_envs)
+        ids = check_env_ids(env_ids, self.num_envs)
         named = np.zeros(self.num_envs, dtype=bool)
         named[ids] = True
         busy = {k for k, _ in self._pending.values()}
@@ -883,24 +890,13 @@ class RayVectorEnv(VectorEnv):
         ``parts`` are ``(actor, infos)``; an actor's rows land at its env ids
         (``by_env``) or one after another in the order given.
         """
-        target = _Rows(rows)
-        infos: dict[str, Any] = {}
+        items = []
         offset = 0
         for k, block in parts:
             first = self.actor_env_ids[k].start if by_env else offset
             offset += len(self.actor_env_ids[k])
-            for row in _rows_with_info(block):
-                infos = target._add_info(infos, _unbatch_info(block, row), first + row)
-        return infos
-
-
-class _Rows:
-    """``VectorEnv._add_info`` over a batch of ``num_envs`` rows."""
-
-    _add_info = VectorEnv._add_info
-
-    def __init__(self, num_envs: int) -> None:
-        self.num_envs = num_envs
+            items += [(first + row, [info]) for row, [info] in _items(block)]
+        return batch_infos(items, rows)
 
 
 def _env_fns(
@@ -925,42 +921,6 @@ def _env_fns(
             f"envs_per_actor={envs_per_actor} x num_actors={num_actors} != {len(env_fns)} env_fns"
         )
     return env_fns
-
-
-def _split_blocks(num_envs: int, num_parts: int) -> list[range]:
-    """Contiguous, as-even-as-possible blocks of env ids, the larger ones first."""
-    base, extra = divmod(num_envs, num_parts)
-    starts = [k * base + min(k, extra) for k in range(num_parts + 1)]
-    return [range(a, b) for a, b in zip(starts, starts[1:])]
-
-
-def _check_env_ids(env_ids: Any, num_envs: int) -> np.ndarray:
-    ids = np.asarray(env_ids)
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise TypeError(f"env_ids must be a 1-D array of ints, got {env_ids!r}")
-    ids = ids.astype(np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_envs):
-        bad = ids[(ids < 0) | (ids >= num_envs)]
-        raise ValueError(f"env_ids {bad.tolist()} out of range [0, {num_envs})")
-    if len(np.unique(ids)) != len(ids):
-        raise ValueError(f"env_ids {ids.tolist()} name an env more than once")
-    return ids
-
-
-def _check_reset_mask(mask: Any, num_envs: int) -> np.ndarray:
-    if not isinstance(mask, np.ndarray):
-        raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
-    if mask.shape != (num_envs,) or mask.dtype != np.bool_:
-        raise ValueError(
-            f"`options['reset_mask']` must be a bool array of shape ({num_envs},), got "
-            f"{mask.dtype} {mask.shape}"
-        )
-    if not mask.any():
-        raise ValueError(
-            "`options['reset_mask']` must contain a boolean array with at least one True "
-            f"value, got reset_mask={mask}"
-        )
-    return mask
 
 
 _FIXED_SIZE = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
@@ -1020,27 +980,6 @@ def _concatenate_batches(space: gym.Space, batches: list) -> Any:
     return tuple(value for batch in batches for value in batch)
 
 
-def _rows_with_info(infos: dict) -> list[int]:
-    """The rows of a batched info dict that have any key."""
-    masks = [infos[f"_{key}"] for key in infos if f"_{key}" in infos]
-    if not masks:
-        return []
-    return np.flatnonzero(np.logical_or.reduce(masks)).tolist()
-
-
-def _unbatch_info(infos: dict, row: int) -> dict:
-    """Row ``row``'s info from a batched info dict: the inverse of ``_add_info``."""
-    info = {}
-    for key, value in infos.items():
-        mask = infos.get(f"_{key}")
-        if mask is None or not mask[row]:
-            continue
-        if isinstance(value, dict):
-            info[key] = _unbatch_info(value, row)
-        elif value.dtype == np.bool_ and value.ndim == 1:
-            # _add_info makes a bool array only from a Python bool (np.bool_ is not a
-            # np.number: it gets an object array); give it back as one.
-            info[key] = bool(value[row])
-        else:
-            info[key] = value[row]
-    return info
+def _items(infos: dict) -> list[tuple[int, list[dict]]]:
+    """A batched info dict as per-row dicts ``[(row, [info])]`` for ``batch_infos``."""
+    return [(row, [unbatch_info(infos, row)]) for row in rows_with_info(infos)]

@@ -29,16 +29,18 @@ import numpy as np
 from shmvec import _core, _worker_loop
 from shmvec.errors import add_note
 from shmvec.layout import SegmentLayout, WordBytes, make_codec
-
-# Command kinds posted on the barrier.
-STEP = 1
-RESET = 2
-CALL = 3
-SET_ATTR = 4
-CLOSE = 5
-
-# How long a worker sleeps before it checks that the main process is alive.
-WATCHDOG_NS = 250_000_000
+from shmvec.protocol import (
+    AUTORESET_SAME_STEP,
+    BY_VALUE_BIT,
+    CALL,
+    CLOSE,
+    ENV_RESET,
+    RESET,
+    SET_ATTR,
+    SLOT_MASK,
+    STEP,
+    WATCHDOG_NS,
+)
 
 
 @dataclass
@@ -395,8 +397,8 @@ class Worker:
         return {} if self.obs_codec.pickled else self.slots[slot].obs
 
     def step(self, arg: int) -> dict:
-        slot = arg & 0x7FFFFFFF
-        by_value = bool(arg >> 31)  # per-env actions come pickled this round
+        slot = arg & SLOT_MASK
+        by_value = bool(arg & BY_VALUE_BIT)  # per-env actions come pickled this round
         self.stepper.actions_by_value = by_value
         action_views = self.action_views
         if by_value:
@@ -431,7 +433,7 @@ class Worker:
         obs, info = self.envs[i].reset()
         info = {**info, **why}
         merged = [info]
-        if self.spec.autoreset_mode == _worker_loop.MODE_SAME_STEP:
+        if self.spec.autoreset_mode == AUTORESET_SAME_STEP:
             merged = [{"final_obs": obs, "final_info": info}, info]
         return obs, 0.0, False, True, merged
 
@@ -440,7 +442,7 @@ class Worker:
         mode): a reset as asked, or a truncated episode, both with
         ``info["worker_restarted"]``."""
         why = {"worker_restarted": True}
-        if command == _worker_loop.ENV_RESET:
+        if command == ENV_RESET:
             seed, options = self._take_reset_args(self.rows.start + i)
             obs, info = self.envs[i].reset(seed=seed, options=options)
             return obs, 0.0, False, False, [{**info, **why}]
