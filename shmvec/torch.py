@@ -67,7 +67,8 @@ class TorchVectorEnv(VectorWrapper):
         self.shm = shm
         self.device = torch.device(device)
         self.reward_dtype = reward_dtype
-        slab = shm.action_slab()
+        self._handoff = shm.handoff()
+        slab = self._handoff.action_slab()
         self._slab = None if slab is None else torch.from_numpy(slab)
         self._registered = False
         if self.device.type == "cuda":
@@ -76,13 +77,14 @@ class TorchVectorEnv(VectorWrapper):
     def _init_cuda(self) -> None:
         shm = self.shm
         shm.copy = False
-        address, size = shm.result_region()
+        handoff = self._handoff
+        address, size = handoff.region
         torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, size, 0))
         self._registered = True
         self._stream = torch.cuda.Stream(self.device)
-        self._events = [torch.cuda.Event() for _ in range(shm.num_result_slots)]
-        self._pending = [False] * shm.num_result_slots
-        shm.on_slot_reuse(self._wait_for_copy)
+        self._events = [torch.cuda.Event() for _ in range(handoff.num_slots)]
+        self._pending = [False] * handoff.num_slots
+        handoff.on_slot_reuse(self._wait_for_copy)
 
     def _wait_for_copy(self, slot: int) -> None:
         """The workers may write ``slot`` only once its device copy is done."""
@@ -163,7 +165,7 @@ class TorchVectorEnv(VectorWrapper):
     def step(self, actions):
         """Steps with torch or numpy actions; returns tensors (infos stay numpy)."""
         if self._write_actions(actions):
-            obs, rewards, terminations, truncations, infos = self.shm.step_written()
+            obs, rewards, terminations, truncations, infos = self._handoff.step_written()
         else:
             obs, rewards, terminations, truncations, infos = self.env.step(_to_numpy(actions))
         return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations), infos)
@@ -178,15 +180,13 @@ class TorchVectorEnv(VectorWrapper):
         return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations), infos)
 
     def _result_slot(self) -> int:
-        return self.shm.last_result_slot
+        return self._handoff.last_slot
 
     def close(self, **kwargs: Any) -> None:
         """Waits for copies in flight, unregisters the pinned segment, closes."""
         if self._registered:
             torch.cuda.synchronize(self.device)
-            torch.cuda.check_error(
-                torch.cuda.cudart().cudaHostUnregister(self.shm.result_region()[0])
-            )
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._handoff.region[0]))
             self._registered = False
         super().close(**kwargs)
 

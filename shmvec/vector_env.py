@@ -49,7 +49,6 @@ from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
 
 from shmvec.batching import (
     check_actions,
-    check_env_ids,
     check_reset_mask,
     expand_options,
     expand_seeds,
@@ -57,12 +56,7 @@ from shmvec.batching import (
     split_blocks,
     take_reset_mask,
 )
-from shmvec.engine.async_engine import AsyncEngine
-from shmvec.engine.decoder import ResultDecoder
-from shmvec.engine.pool import SetupError, WorkerPool
-from shmvec.engine.rounds import RoundDriver
-from shmvec.engine.stats import Stats
-from shmvec.engine.supervisor import Supervisor
+from shmvec.engine import SetupError, Stats, build_engine
 from shmvec.errors import WorkerDiedError
 from shmvec.layout import ArrayCodec, PickledCodec, make_codec
 from shmvec.protocol import (
@@ -71,7 +65,6 @@ from shmvec.protocol import (
     CALL,
     CLOSE,
     CLOSE_GRACE_S,
-    ENV_RESET,
     ENV_STEP,
     RESET,
     SET_ATTR,
@@ -93,11 +86,8 @@ class ShmVectorEnv(VectorEnv):
     ``AsyncVectorEnv`` / ``SyncVectorEnv`` do: same spaces, same results for the
     same seeds and actions, same autoreset modes, infos and errors.
 
-    Each worker owns a contiguous block of envs. Actions are written into an
-    action slab, observations, rewards and done flags into a ring of
-    ``ring_depth`` result slots, all typed columns of one memfd segment; a
-    futex barrier replaces the pipes. Only infos, errors, ``call`` results and
-    spaces without a fixed size are pickled, and only when there is one.
+    Each worker owns a contiguous block of envs; actions and results travel as
+    typed columns of one memfd segment (README, "How it works").
 
     Args:
         env_fns: zero-argument callables, each creating one env.
@@ -120,36 +110,22 @@ class ShmVectorEnv(VectorEnv):
             every env in the main process (``in_process``), through the same code
             and with the same results: the debugging mode, where a breakpoint
             inside ``env.step`` just works.
-        on_worker_death: ``"raise"`` (default): a dead worker (segfault, SIGKILL,
-            OOM kill) is a ``WorkerDiedError``. ``"restart"``: it is started
-            again, its envs are re-created and reset, and in that step they
-            report ``truncated`` with ``infos["worker_restarted"]``; the other
-            envs are unaffected. In async mode each env that was running
-            delivers one result; the others report a truncated episode for
-            their next command.
-        on_env_error: ``"raise"`` (default): an exception in an env is raised
-            here. ``"reset"``: the env is reset and its step reports
-            ``truncated`` with ``infos["env_error"]`` (the exception's type and
-            message); resets and ``call`` still raise.
-        env_timeout: seconds a worker may take for one ``step``/``reset`` (sync
-            mode: of its whole block; async mode: of one env); a worker past it
-            is killed and treated as dead under ``on_worker_death``. None
-            (default): no limit.
-        fallback: ``"serial"``: if the kernel refuses what workers need (no
-            memfd, futexes forbidden by a sandbox, no process can be started),
-            log a warning saying why and run every env in the main process
-            (as ``num_workers=0``). None (default): a RuntimeError says why.
-        validate_actions: if True, ``step``/``send`` check every action against
-            ``single_action_space`` (bounds, NaN in a Box, Discrete range) and
-            raise a ValueError naming the envs before any env steps. Off by
-            default, as in gymnasium: envs get what they are given.
-        step_in_main: if True, the main process steps the first block of envs
-            itself, in ``step_wait``/``recv``, while the workers step theirs:
-            ``num_workers - 1`` processes are started and the main process's
-            core does env work instead of waiting. The fastest choice when
-            there are as many workers as cores and the envs are cheap, at the
-            price of isolation: those envs live in the main process (a crash
-            there is the trainer's crash, a timeout cannot interrupt them).
+        on_worker_death: ``"raise"`` (default): a dead worker is a
+            ``WorkerDiedError``. ``"restart"``: it is started again and its
+            envs, re-created and reset, report ``truncated`` with
+            ``infos["worker_restarted"]``; the other envs are unaffected.
+        on_env_error: ``"raise"`` (default) or ``"reset"``: the env is reset and
+            its step reports ``truncated`` with ``infos["env_error"]``.
+        env_timeout: seconds a worker may take for one ``step``/``reset`` (its
+            block in sync mode, one env in async mode); past it, it is killed
+            and handled as dead. None (default): no limit.
+        fallback: ``"serial"``: if the kernel refuses what workers need, warn
+            and run every env in the main process. None: a RuntimeError.
+        validate_actions: check every action against ``single_action_space``
+            (a ValueError naming the envs before any steps). Off by default.
+        step_in_main: the main process steps the first block itself while
+            ``num_workers - 1`` processes step the others: fastest for cheap
+            envs with a worker per core, at the price of isolation.
         batch_size: with ``batch_size < num_envs``, the async engine: use
             ``async_reset``/``send``/``recv`` (see shmvec/engine/async_engine.py).
         group_size: envs ``g*k .. g*k+g-1`` form group ``k``: ``reset(seed=s)``
@@ -185,57 +161,44 @@ class ShmVectorEnv(VectorEnv):
         validate_actions: bool = False,
     ) -> None:
         self.closed = True  # until the workers are up; close() is then a no-op
-        env_fns = _check_env_fns(env_fns)
-        self.env_fns = env_fns
-        self.shared_memory = shared_memory
-        self._copy = copy
-        self.context = context
-        self.daemon = daemon
-        self.worker = worker
-        self.observation_mode = observation_mode
-        self.autoreset_mode = AutoresetMode(autoreset_mode)
-        self.max_concurrency = _check_max_concurrency(max_concurrency)
         if worker is not None:
             raise ValueError(
                 "ShmVectorEnv runs its own worker loop over shared memory and cannot use a "
                 "custom `worker`; use gymnasium.vector.AsyncVectorEnv for that."
             )
-        self.num_envs = len(env_fns)
-
+        self.env_fns = env_fns = _check_env_fns(env_fns)
+        self.num_envs = num_envs = len(env_fns)
+        self.shared_memory, self._copy = shared_memory, copy
+        self.context, self.daemon, self.worker = context, daemon, worker
+        self.observation_mode = observation_mode
+        self.autoreset_mode = AutoresetMode(autoreset_mode)
+        self.max_concurrency = _check_max_concurrency(max_concurrency)
         dummy_env = env_fns[0]()
         check_env(dummy_env, 0)
-        self.metadata = dict(dummy_env.metadata)
-        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.metadata = {**dummy_env.metadata, "autoreset_mode": self.autoreset_mode}
         self.render_mode = dummy_env.render_mode
         self.single_action_space = dummy_env.action_space
-        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, num_envs)
         self.observation_space, self.single_observation_space = _observation_spaces(
             dummy_env, observation_mode, env_fns
         )
         dummy_env.close()
         del dummy_env
-
         if num_workers is None:
-            num_workers = min(self.num_envs, available_cpus())
+            num_workers = min(num_envs, available_cpus())
         if self.max_concurrency is not None:
             num_workers = min(num_workers, self.max_concurrency)
-        if not 0 <= num_workers <= self.num_envs:
-            raise ValueError(
-                f"num_workers must be between 0 and num_envs={self.num_envs}, got {num_workers}"
-            )
-        self.batch_size = self.num_envs if batch_size is None else int(batch_size)
-        if not 1 <= self.batch_size <= self.num_envs:
-            raise ValueError(
-                f"batch_size must be between 1 and num_envs={self.num_envs}, got {batch_size}"
-            )
-        self.is_async = self.batch_size < self.num_envs  # the EnvPool-style API
-        if group_size < 1 or self.num_envs % group_size:
-            raise ValueError(f"group_size must divide num_envs={self.num_envs}, got {group_size}")
+        _check_range("num_workers", num_workers, 0, num_envs)
+        self.batch_size = num_envs if batch_size is None else int(batch_size)
+        _check_range("batch_size", self.batch_size, 1, num_envs, batch_size)
+        self.is_async = self.batch_size < num_envs  # the EnvPool-style API
+        if group_size < 1 or num_envs % group_size:
+            raise ValueError(f"group_size must divide num_envs={num_envs}, got {group_size}")
         self.group_size = group_size
         self.env_tags: list[str] | None = None  # set by shmvec.make_mix
         if self.is_async:
             # See csrc/result_ring.h: enough slots that a claim never overruns.
-            ring_depth = max(ring_depth, -(-self.num_envs // self.batch_size) + 1)
+            ring_depth = max(ring_depth, -(-num_envs // self.batch_size) + 1)
         self.ring_depth = ring_depth
         self._obs_codec = make_codec(self.single_observation_space, shared_memory)
         self._action_codec = make_codec(self.single_action_space)
@@ -255,11 +218,10 @@ class ShmVectorEnv(VectorEnv):
         self.fallback = fallback
         self.validate_actions = bool(validate_actions)
         # What step()'s short path cannot do, whatever the round.
-        self._short_path = not (self.is_async or env_timeout is not None or self._obs_codec.pickled)
+        self._short_path = not (self.is_async or env_timeout or self._obs_codec.pickled)
         self._state = AsyncState.DEFAULT
         self._sync_reset_pending = False  # async_reset() in sync mode: recv() waits for it
         self._stats = Stats()
-        self._async: AsyncEngine | None = None
         try:
             self._start(num_workers, step_in_main, spin_ns)
         except SetupError as error:
@@ -272,61 +234,35 @@ class ShmVectorEnv(VectorEnv):
         self.closed = False
 
     def _start(self, num_workers: int, step_in_main: bool, spin_ns: int | None) -> None:
-        """Builds the engine: ``num_workers=0``: one worker, run in this process
-        (``InProcessWorker``); ``step_in_main``: worker 0 runs in this process."""
+        """Builds the engine. ``num_workers=0``: one worker, in this process."""
         self.in_process = num_workers == 0
         self.step_in_main = self.in_process or bool(step_in_main)
         self.num_workers = max(num_workers, 1)
-        self._env_blocks = blocks = split_blocks(self.num_envs, self.num_workers)
+        self._env_blocks = split_blocks(self.num_envs, self.num_workers)
         processes = self.num_workers - 1 if self.step_in_main else self.num_workers
         spin = default_spin(processes) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
         mode = self.observation_mode if isinstance(self.observation_mode, str) else "custom"
         spec = WorkerSpec(
-            index=0,
-            first_env=0,
-            env_fns=[],
-            num_envs=self.num_envs,
-            num_workers=self.num_workers,
-            num_slots=self.ring_depth,
-            batch_size=self.batch_size,
+            index=0, first_env=0, env_fns=[], num_envs=self.num_envs,
+            num_workers=self.num_workers, num_slots=self.ring_depth, batch_size=self.batch_size,
             observation_space=self.single_observation_space,
-            action_space=self.single_action_space,
-            observation_mode=mode,
+            action_space=self.single_action_space, observation_mode=mode,
             shared_memory=self.shared_memory,
-            autoreset_mode=AUTORESET_CODES[self.autoreset_mode],
-            spin_ns=spin.worker_ns,
+            autoreset_mode=AUTORESET_CODES[self.autoreset_mode], spin_ns=spin.worker_ns,
             main_pid=os.getpid(),
             use_death_signal=threading.current_thread() is threading.main_thread(),
             on_env_error=self.on_env_error,
-        )
-        restart = self.on_worker_death == "restart"
-        self._pool = pool = WorkerPool(
-            spec, self.env_fns, blocks, context=self.context, daemon=self.daemon,
-            step_in_main=self.step_in_main, private=self.in_process, restart_on_death=restart,
         )  # fmt: skip
-        try:
-            pool.open()
-            self._decoder = ResultDecoder(self._obs_codec, pool.slots, blocks, self._copy)
-            self._supervisor = Supervisor(
-                pool, self._decoder, self._stats, spin.main_ns, self.env_timeout, restart
-            )
-            if self.is_async:  # before the workers start: it marks every ring row unwritten
-                self._async = AsyncEngine(
-                    pool, self._supervisor, self._decoder, self._stats, self.batch_size
-                )
-            pool.spawn()
-        except BaseException:
-            pool.terminate()
-            pool.release()
-            raise
-        doorbells = None if self._async is None else self._async.doorbells
-        self._rounds = RoundDriver(
-            pool, self._supervisor, self._decoder, self._stats, spin.main_ns, doorbells
-        )
-        if self._async is not None:
-            self._async.rounds = self._rounds
-        self._action_views = pool.action_views  # the short path's, one lookup fewer
-        self._slots = pool.slots
+        engine = build_engine(
+            spec, self.env_fns, self._env_blocks, self._obs_codec, self._stats, spin,
+            copy=self._copy, context=self.context, daemon=self.daemon,
+            step_in_main=self.step_in_main, in_process=self.in_process,
+            env_timeout=self.env_timeout, restart_on_death=self.on_worker_death == "restart",
+        )  # fmt: skip
+        self._pool, self._decoder, self._rounds = engine.pool, engine.decoder, engine.rounds
+        self._async = engine.async_engine
+        self._action_views = self._pool.action_views  # the short path's, one lookup fewer
+        self._slots = self._pool.slots
 
     # ------------------------------------------------------------------ reset
 
@@ -514,15 +450,8 @@ class ShmVectorEnv(VectorEnv):
             self.reset_async(seed=seed, options=options)
             self._sync_reset_pending = True  # the next recv() is reset_wait()
             return
-        ids = np.arange(self.num_envs) if env_ids is None else self._check_env_ids(env_ids)
-        busy = self._async.running(ids)
-        if busy.size:
-            raise RuntimeError(
-                f"async_reset() while envs {busy.tolist()} are still running: recv() their "
-                "results first"
-            )
-        seeds, per_env = self._expand_seeds(seed), self._expand_options(options)
-        self._async.reset_envs(ids, seeds, per_env, ENV_RESET)
+        ids = self._async.idle_env_ids(env_ids)
+        self._async.reset_envs(ids, self._expand_seeds(seed), self._expand_options(options))
 
     def send(self, actions: Any, env_ids: Any = None) -> None:
         """Hands ``actions[i]`` to env ``env_ids[i]`` and returns at once.
@@ -535,18 +464,11 @@ class ShmVectorEnv(VectorEnv):
         if not self.is_async:
             self.step_async(_in_env_order(actions, env_ids, self.num_envs))
             return
-        engine = self._async
-        if not engine.was_reset:
-            raise RuntimeError("send() before async_reset(): reset the envs first")
-        if env_ids is None:
-            if engine.last_env_ids is None:
-                raise ValueError("send() needs env_ids: no recv() has returned any yet")
-            env_ids = engine.last_env_ids
-        env_ids = self._check_env_ids(env_ids)
+        env_ids = self._async.send_env_ids(env_ids)
         if self.validate_actions:
             self._check_actions(actions, env_ids.tolist())
         self._action_codec.write_rows(self._action_views, env_ids, actions)
-        engine.start_envs(env_ids, ENV_STEP)
+        self._async.start_envs(env_ids, ENV_STEP)
 
     def recv(self, timeout: float | None = None):
         """The next ``batch_size`` results: ``(obs, rewards, terminations,
@@ -560,16 +482,6 @@ class ShmVectorEnv(VectorEnv):
             pending, self._sync_reset_pending = self._sync_reset_pending, False
             return recv_whole_batch(self, pending, timeout)
         return self._async.recv(timeout)
-
-    def _check_env_ids(self, env_ids: Any) -> np.ndarray:
-        ids = check_env_ids(env_ids, self.num_envs)
-        running = self._async.running(ids)
-        if running.size:
-            raise ValueError(
-                f"envs {running.tolist()} are not awaiting an action: their previous "
-                "step is still running (recv() its result first)"
-            )
-        return ids
 
     # ------------------------------------------------------------- call & co
 
@@ -653,13 +565,7 @@ class ShmVectorEnv(VectorEnv):
                 self._rounds.wait(grace_s, "close")
             except (multiprocessing.TimeoutError, WorkerDiedError):
                 pass
-        if logger.isEnabledFor(logging.DEBUG):
-            stats = self.stats()
-            logger.debug(
-                "closing: %d steps, %.0f steps/s, main waited %.0f%%, workers busy %s",
-                stats["steps"], stats["steps_per_s"], 100 * stats["main_wait_fraction"],
-                ", ".join(f"{100 * f:.0f}%" for f in stats["worker_busy_fraction"]),
-            )  # fmt: skip
+        self._stats.log_summary(self._pool.busy_ns)
         pool = self._pool
         pool.terminate(grace_s=0.0 if terminate else CLOSE_GRACE_S)
         for index, process in enumerate(pool.workers):
@@ -676,8 +582,6 @@ class ShmVectorEnv(VectorEnv):
         if not getattr(self, "closed", True):
             self.close(terminate=True)
 
-    # ------------------------------------------------------- device hand-off
-
     @property
     def copy(self) -> bool:
         """Whether results are copies (True) or views of the ring (False)."""
@@ -687,36 +591,10 @@ class ShmVectorEnv(VectorEnv):
     def copy(self, value: bool) -> None:
         self._copy = self._decoder.copy = bool(value)
 
-    def result_region(self) -> tuple[int, int]:
-        """(address, size) of the shared segment, to register as pinned memory."""
-        return self._pool.segment.address, self._pool.segment.size
-
-    @property
-    def num_result_slots(self) -> int:
-        """How many ring slots results rotate through."""
-        return len(self._slots)
-
-    @property
-    def last_result_slot(self) -> int:
-        """The ring slot that the last ``step``/``reset``/``recv`` returned views of."""
-        return self._async.held_slot if self.is_async else self._rounds.slot
-
-    def on_slot_reuse(self, hook: Callable[[int], None]) -> None:
-        """Has ``hook(slot)`` called before workers may overwrite ``slot`` (the torch
-        bridge waits there for its device copy out of the slot)."""
-        self._rounds.before_slot_reuse = hook
-
-    def action_slab(self) -> np.ndarray | None:
-        """The action slab when actions are one array column, else None: write a
-        batch there and call ``step_written`` (a device-to-pinned copy)."""
-        if isinstance(self._action_codec, ArrayCodec):
-            return self._action_views[0]
-        return None
-
-    def step_written(self):
-        """``step`` with the actions already written into ``action_slab()``."""
-        self._step_async(None, write=False)
-        return self.step_wait()
+    def handoff(self) -> ResultHandoff:
+        """The hooks a device bridge (shmvec.torch) uses to copy results out of
+        the ring and write actions into the slab without extra copies."""
+        return ResultHandoff(self)
 
     # ---------------------------------------------------------------- helpers
 
@@ -761,6 +639,44 @@ class ShmVectorEnv(VectorEnv):
         and ``env_resets`` (envs reset after an exception, ``on_env_error``).
         """
         return self._stats.report(self._pool.busy_ns)
+
+
+class ResultHandoff:
+    """A ShmVectorEnv's results and action slab, for a device bridge.
+
+    Results rotate through ``num_slots`` ring slots; ``on_slot_reuse(hook)``
+    has ``hook(slot)`` called before workers may overwrite a slot, so a bridge
+    can wait there for its device copy out of it.
+    """
+
+    def __init__(self, env: ShmVectorEnv) -> None:
+        self._env = env
+        self.region = (env._pool.segment.address, env._pool.segment.size)  # to pin
+        self.num_slots = len(env._slots)
+
+    @property
+    def last_slot(self) -> int:
+        """The ring slot that the last ``step``/``reset``/``recv`` returned."""
+        env = self._env
+        return env._async.held_slot if env.is_async else env._rounds.slot
+
+    def slot_views(self, slot: int):
+        """The arrays of ring slot ``slot`` (shmvec.layout.SlotViews)."""
+        return self._env._slots[slot]
+
+    def on_slot_reuse(self, hook: Callable[[int], None]) -> None:
+        self._env._rounds.before_slot_reuse = hook
+
+    def action_slab(self) -> np.ndarray | None:
+        """The action slab when actions are one array column, else None: write a
+        batch there and call ``step_written``."""
+        env = self._env
+        return env._action_views[0] if isinstance(env._action_codec, ArrayCodec) else None
+
+    def step_written(self):
+        """``step`` with the actions already written into ``action_slab()``."""
+        self._env._step_async(None, write=False)
+        return self._env.step_wait()
 
 
 def _in_env_order(actions: Any, env_ids: Any, num_envs: int) -> Any:
@@ -818,6 +734,12 @@ def _check_env_fns(env_fns) -> list:
         if not callable(fn):
             raise TypeError(f"env_fns[{i}] is not callable: {fn!r}")
     return env_fns
+
+
+def _check_range(name: str, value: int, low: int, high: int, given: Any = None) -> None:
+    if not low <= value <= high:
+        got = value if given is None else given
+        raise ValueError(f"{name} must be between {low} and num_envs={high}, got {got}")
 
 
 def _check_choice(name: str, value: str, other: str) -> str:

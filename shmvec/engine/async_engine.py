@@ -15,16 +15,18 @@ Who may call what: the main process's one thread.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 
 from shmvec import _core
+from shmvec.batching import check_env_ids
 from shmvec.engine.decoder import ResultDecoder, raise_errors
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
 from shmvec.engine.supervisor import Supervisor
 from shmvec.errors import WorkerDiedError
-from shmvec.protocol import ENV_IDLE, LIVENESS_CHECK_S, UNWRITTEN
+from shmvec.protocol import ENV_IDLE, ENV_RESET, LIVENESS_CHECK_S, UNWRITTEN
 
 
 class AsyncEngine:
@@ -79,14 +81,46 @@ class AsyncEngine:
 
     # --------------------------------------------------------------- commands
 
-    def reset_envs(self, ids: np.ndarray, seeds: list, per_env: list, command: int) -> None:
-        """Sends each env of ``ids`` its (seed, options), then its ``command``."""
+    def idle_env_ids(self, env_ids: Any) -> np.ndarray:
+        """``async_reset``'s envs (None: all), checked: each must be idle."""
+        ids = np.arange(self.num_envs) if env_ids is None else self.check_env_ids(env_ids)
+        busy = self.running(ids)
+        if busy.size:
+            raise RuntimeError(
+                f"async_reset() while envs {busy.tolist()} are still running: recv() their "
+                "results first"
+            )
+        return ids
+
+    def send_env_ids(self, env_ids: Any) -> np.ndarray:
+        """``send``'s envs (None: those of the last ``recv``), checked."""
+        if not self.was_reset:
+            raise RuntimeError("send() before async_reset(): reset the envs first")
+        if env_ids is None:
+            if self.last_env_ids is None:
+                raise ValueError("send() needs env_ids: no recv() has returned any yet")
+            env_ids = self.last_env_ids
+        return self.check_env_ids(env_ids)
+
+    def check_env_ids(self, env_ids: Any) -> np.ndarray:
+        """``env_ids`` checked (``batching.check_env_ids``); each must await a command."""
+        ids = check_env_ids(env_ids, self.num_envs)
+        running = self.running(ids)
+        if running.size:
+            raise ValueError(
+                f"envs {running.tolist()} are not awaiting an action: their previous "
+                "step is still running (recv() its result first)"
+            )
+        return ids
+
+    def reset_envs(self, ids: np.ndarray, seeds: list, per_env: list) -> None:
+        """Sends each env of ``ids`` its (seed, options), then the reset command."""
         workers = self.env_worker[ids]
         for index in np.unique(workers).tolist():
             args = {e: (seeds[e], per_env[e]) for e in ids[workers == index].tolist()}
             self.env_reset_args.update(args)
             self.pool.send(index, "reset", args)
-        self.start_envs(ids, command)
+        self.start_envs(ids, ENV_RESET)
         self.was_reset = True
 
     def start_envs(self, env_ids: np.ndarray, command: int) -> None:

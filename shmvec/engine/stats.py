@@ -37,6 +37,16 @@ class Stats:
         for row in rows.tolist():
             logger.warning("env %d was reset after %s", env_ids[row], infos["env_error"][row])
 
+    def log_summary(self, busy_ns: np.ndarray) -> None:
+        """Logs the report at DEBUG (when a vector env closes)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            stats = self.report(busy_ns)
+            logger.debug(
+                "closing: %d steps, %.0f steps/s, main waited %.0f%%, workers busy %s",
+                stats["steps"], stats["steps_per_s"], 100 * stats["main_wait_fraction"],
+                ", ".join(f"{100 * f:.0f}%" for f in stats["worker_busy_fraction"]),
+            )  # fmt: skip
+
     def report(self, busy_ns: np.ndarray) -> dict[str, Any]:
         """The dict of ``ShmVectorEnv.stats()``; ``busy_ns``: each worker's busy time."""
         elapsed = time.perf_counter() - self.started
