@@ -1,8 +1,9 @@
 """The gymnasium layer shared by ShmVectorEnv and RayVectorEnv.
 
-Block splitting, env-id and reset-mask checks, seed and option expansion,
-and infos batched (``VectorEnv._add_info`` over rows) and unbatched (its
-inverse), with gymnasium's own error types and messages.
+Block splitting, env-id, reset-mask and action checks, seed and option
+expansion, infos batched (``VectorEnv._add_info`` over rows) and unbatched
+(its inverse), all with gymnasium's own error types and messages; and
+``VectorEnvBase``, the state-machine face both vector envs share.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import iterate
 from gymnasium.vector.vector_env import VectorEnv
 
@@ -206,3 +209,87 @@ def recv_whole_batch(env: Any, reset_pending: bool, timeout: float | None) -> tu
         result = env.step_wait(timeout)
     result[4]["env_id"] = np.arange(env.num_envs)
     return result
+
+
+class VectorEnvBase(VectorEnv):
+    """What ShmVectorEnv and RayVectorEnv share of gymnasium's ``VectorEnv`` face:
+    ``reset`` over the async state machine, seed and option expansion, the
+    state checks with gymnasium's errors, and the context manager.
+
+    Subclasses set ``num_envs``, ``group_size``, ``is_async``, ``closed`` and
+    ``_state`` (a gymnasium ``AsyncState``), and implement ``reset_async``,
+    ``reset_wait``, ``async_reset``, ``recv`` and ``call``.
+    """
+
+    def reset(
+        self,
+        *,
+        seed: int | list[int | None] | None = None,
+        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
+        reset_mask: np.ndarray | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Resets the envs; see ``gymnasium.vector.VectorEnv.reset`` and ``reset_async``.
+
+        In async mode (``batch_size < num_envs``) this is ``async_reset`` then
+        ``recv``: it returns the first ``batch_size`` envs to finish resetting.
+        """
+        if self.is_async:
+            if reset_mask is not None:
+                raise ValueError("reset_mask needs batch_size == num_envs")
+            self.async_reset(seed=seed, options=options)
+            obs, _, _, _, infos = self.recv()
+            return obs, infos
+        self.reset_async(seed=seed, options=options, reset_mask=reset_mask)
+        return self.reset_wait()
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """The attribute ``name`` of every env (callables are called, as in gymnasium)."""
+        return self.call(name)
+
+    def render(self) -> tuple[Any, ...] | None:
+        """Each env's ``render()``."""
+        return self.call("render")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _expand_seeds(self, seed) -> list:
+        return expand_seeds(seed, self.num_envs, self.group_size)
+
+    def _expand_options(self, options) -> list:
+        return expand_options(options, self.num_envs, self.group_size)
+
+    def _attr_values(self, values: Any) -> list | tuple:
+        """``set_attr``'s values: one per env, or the same value for all."""
+        if not isinstance(values, (list, tuple)):
+            values = [values] * self.num_envs
+        if len(values) != self.num_envs:
+            raise ValueError(
+                "Values must be a list or tuple with length equal to the number of "
+                f"environments. Got `{len(values)}` values for {self.num_envs} environments."
+            )
+        return values
+
+    def _assert_is_running(self) -> None:
+        if self.closed:
+            raise ClosedEnvironmentError(
+                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`."
+            )
+
+    def _assert_idle(self, name: str, end: str = ".") -> None:
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `{name}` while waiting for a pending call to "
+                f"`{self._state.value}` to complete{end}",
+                str(self._state.value),
+            )
+
+    def _assert_waiting(self, state: AsyncState, name: str, sender: str) -> None:
+        self._assert_is_running()
+        if self._state != state:
+            raise NoAsyncCallError(
+                f"Calling `{name}` without any prior call to `{sender}`.", state.value
+            )

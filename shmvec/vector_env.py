@@ -42,12 +42,12 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium import logger as gym_logger
-from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_differing_spaces, batch_space
-from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
+from gymnasium.vector.vector_env import ArrayType, AutoresetMode
 
 from shmvec.batching import (
+    VectorEnvBase,
     check_actions,
     check_reset_mask,
     expand_options,
@@ -66,7 +66,6 @@ from shmvec.protocol import (
     CLOSE,
     CLOSE_GRACE_S,
     ENV_STEP,
-    RESET,
     SET_ATTR,
     STEP,
 )
@@ -78,7 +77,7 @@ logger = logging.getLogger("shmvec")
 __all__ = ["ShmVectorEnv", "expand_options", "expand_seeds"]
 
 
-class ShmVectorEnv(VectorEnv):
+class ShmVectorEnv(VectorEnvBase):
     """Runs ``env_fns`` in worker processes; results come back through shared memory.
 
     The constructor takes ``gymnasium.vector.AsyncVectorEnv``'s arguments in the
@@ -290,16 +289,8 @@ class ShmVectorEnv(VectorEnv):
         reset_mask = take_reset_mask(options, reset_mask)
         mask = None if reset_mask is None else check_reset_mask(reset_mask, self.num_envs)
         per_env = self._expand_options(options)
-        rounds = self._rounds
-        rounds.finish_unfinished()
-        slot = rounds.next_slot()
-        for index, rows in enumerate(self._env_blocks):
-            block = slice(rows.start, rows.stop)
-            block_mask = None if mask is None else mask[block]
-            rounds.reset_payloads[index] = (seeds[block], per_env[block], block_mask)
-            self._pool.send(index, "reset", rounds.reset_payloads[index])
-        rounds.reset_mask = None if mask is None else mask.copy()
-        rounds.post(RESET, slot)
+        self._rounds.finish_unfinished()
+        self._rounds.post_reset(seeds, per_env, mask)
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
@@ -313,33 +304,6 @@ class ShmVectorEnv(VectorEnv):
             self._decoder.carry_over_obs(slot, ~mask)
         self.observations = obs = self._decoder.batch_obs(slot, messages)
         return obs, infos
-
-    def reset(
-        self,
-        *,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-        reset_mask: np.ndarray | None = None,
-    ) -> tuple[Any, dict[str, Any]]:
-        """Resets the envs; see ``gymnasium.vector.VectorEnv.reset`` and ``reset_async``.
-
-        In async mode (``batch_size < num_envs``) this is ``async_reset`` then
-        ``recv``: it returns the first ``batch_size`` envs to finish resetting.
-        """
-        if self.is_async:
-            if reset_mask is not None:
-                raise ValueError("reset_mask needs batch_size == num_envs")
-            self.async_reset(seed=seed, options=options)
-            obs, _, _, _, infos = self.recv()
-            return obs, infos
-        self.reset_async(seed=seed, options=options, reset_mask=reset_mask)
-        return self.reset_wait()
-
-    def _expand_seeds(self, seed) -> list:
-        return expand_seeds(seed, self.num_envs, self.group_size)
-
-    def _expand_options(self, options) -> list:
-        return expand_options(options, self.num_envs, self.group_size)
 
     # ------------------------------------------------------------------- step
 
@@ -370,8 +334,7 @@ class ShmVectorEnv(VectorEnv):
             if by_value:
                 per_env = [None] * self.num_envs
                 self._pickled_actions.write_batch(per_env, actions)
-                for index, rows in enumerate(self._env_blocks):
-                    self._pool.send(index, "actions", per_env[rows.start : rows.stop])
+                rounds.send_blocks("actions", per_env)
             else:
                 codec.write_batch(self._action_views, actions)
         rounds.post(STEP, rounds.next_slot() | (BY_VALUE_BIT if by_value else 0))
@@ -506,31 +469,16 @@ class ShmVectorEnv(VectorEnv):
         self.call_async(name, *args, **kwargs)
         return self.call_wait()
 
-    def get_attr(self, name: str) -> tuple[Any, ...]:
-        """The attribute ``name`` of every env (callables are called, as in gymnasium)."""
-        return self.call(name)
-
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Sets ``name`` in every env: one value each, or the same value for all."""
         self._assert_is_running()
-        if not isinstance(values, (list, tuple)):
-            values = [values] * self.num_envs
-        if len(values) != self.num_envs:
-            raise ValueError(
-                "Values must be a list or tuple with length equal to the number of "
-                f"environments. Got `{len(values)}` values for {self.num_envs} environments."
-            )
+        values = self._attr_values(values)
         self._assert_idle("set_attr")
         self._rounds.finish_unfinished()
-        for index, rows in enumerate(self._env_blocks):
-            self._pool.send(index, "set_attr", (name, list(values[rows.start : rows.stop])))
+        self._rounds.send_blocks("set_attr", list(values), lambda block: (name, block))
         self._rounds.post(SET_ATTR)
         self._state = AsyncState.WAITING_CALL
         self._finish(None, "set_attr")
-
-    def render(self) -> tuple[Any, ...] | None:
-        """Each env's ``render()``."""
-        return self.call("render")
 
     @property
     def np_random_seed(self) -> tuple[int, ...]:
@@ -572,12 +520,6 @@ class ShmVectorEnv(VectorEnv):
             logger.info("worker %d (pid %d) exited with %s", index, process.pid, process.exitcode)
         pool.release()
 
-    def __enter__(self) -> ShmVectorEnv:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
     def __del__(self) -> None:
         if not getattr(self, "closed", True):
             self.close(terminate=True)
@@ -604,27 +546,6 @@ class ShmVectorEnv(VectorEnv):
             return self._rounds.finish(timeout, name)
         finally:
             self._state = AsyncState.DEFAULT
-
-    def _assert_is_running(self) -> None:
-        if self.closed:
-            raise ClosedEnvironmentError(
-                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`."
-            )
-
-    def _assert_idle(self, name: str, end: str = ".") -> None:
-        if self._state != AsyncState.DEFAULT:
-            raise AlreadyPendingCallError(
-                f"Calling `{name}` while waiting for a pending call to "
-                f"`{self._state.value}` to complete{end}",
-                str(self._state.value),
-            )
-
-    def _assert_waiting(self, state: AsyncState, name: str, sender: str) -> None:
-        self._assert_is_running()
-        if self._state != state:
-            raise NoAsyncCallError(
-                f"Calling `{name}` without any prior call to `{sender}`.", state.value
-            )
 
     def _check_actions(self, actions: Any, env_ids) -> None:
         check_actions(self.single_action_space, self.action_space, actions, env_ids)

@@ -81,6 +81,23 @@ class RoundDriver:
             for bell in self.doorbells:
                 bell.ring()
 
+    def send_blocks(self, tag: str, per_env: list, wrap: Callable = lambda block: block) -> None:
+        """Sends each worker ``wrap(its block's slice of per_env)`` under ``tag``."""
+        for index, rows in enumerate(self.pool.blocks):
+            self.pool.send(index, tag, wrap(per_env[rows.start : rows.stop]))
+
+    def post_reset(self, seeds: list, options: list, mask: np.ndarray | None) -> None:
+        """Sends each worker its block's reset (kept for a replacement), then posts
+        a RESET round into the next slot."""
+        slot = self.next_slot()
+        for index, rows in enumerate(self.pool.blocks):
+            block = slice(rows.start, rows.stop)
+            block_mask = None if mask is None else mask[block]
+            self.reset_payloads[index] = (seeds[block], options[block], block_mask)
+            self.pool.send(index, "reset", self.reset_payloads[index])
+        self.reset_mask = None if mask is None else mask.copy()
+        self.post(RESET, slot)
+
     def step_round(self) -> bool:
         """A STEP round into the next slot, actions already in the slab, then one
         wait: True if it ended with nothing but columns to read. Otherwise
