@@ -80,35 +80,23 @@ __all__ = ["ShmVectorEnv", "expand_options", "expand_seeds"]
 class ShmVectorEnv(VectorEnvBase):
     """Runs ``env_fns`` in worker processes; results come back through shared memory.
 
-    The constructor takes ``gymnasium.vector.AsyncVectorEnv``'s arguments in the
-    same order, plus keyword-only tuning arguments, and the object behaves as
-    ``AsyncVectorEnv`` / ``SyncVectorEnv`` do: same spaces, same results for the
-    same seeds and actions, same autoreset modes, infos and errors.
-
-    Each worker owns a contiguous block of envs; actions and results travel as
-    typed columns of one memfd segment (README, "How it works").
+    ``AsyncVectorEnv``'s arguments in the same order, plus keyword-only tuning
+    ones; it behaves as ``AsyncVectorEnv`` / ``SyncVectorEnv`` do, bit for bit.
 
     Args:
         env_fns: zero-argument callables, each creating one env.
-        shared_memory: if False, observations are pickled (every space works,
-            slower), as in AsyncVectorEnv.
-        copy: if True, ``reset``/``step`` return copies. If False they return
-            views of the result ring: an array returned by a call stays valid
-            for ``ring_depth - 1`` further ``step``/``reset`` calls.
-        context: multiprocessing start method (``"fork"``, ``"spawn"``,
-            ``"forkserver"``, or None for Python's default).
+        shared_memory: if False, observations are pickled, as in AsyncVectorEnv.
+        copy: if False, results are views of the result ring, valid for
+            ``ring_depth - 1`` further ``step``/``reset`` calls.
+        context: multiprocessing start method (None: Python's default).
         daemon: whether workers are daemonic.
         worker: must be None: shmvec runs its own worker loop.
         observation_mode: ``"same"``, ``"different"`` or a ``(batched, single)``
             tuple of spaces, as in AsyncVectorEnv.
         autoreset_mode: an ``AutoresetMode`` or its string value.
-        max_concurrency: at most this many envs inside ``reset``/``step`` at once;
-            shmvec honours it by running at most that many workers (each worker
-            steps its envs one after another).
-        num_workers: worker processes; default ``min(num_envs, cpus)``. ``0`` runs
-            every env in the main process (``in_process``), through the same code
-            and with the same results: the debugging mode, where a breakpoint
-            inside ``env.step`` just works.
+        max_concurrency: at most this many envs stepping at once (as many workers).
+        num_workers: worker processes; default ``min(num_envs, cpus)``. ``0``: every
+            env in the main process, through the same code (for debugging).
         on_worker_death: ``"raise"`` (default): a dead worker is a
             ``WorkerDiedError``. ``"restart"``: it is started again and its
             envs, re-created and reset, report ``truncated`` with
@@ -127,12 +115,10 @@ class ShmVectorEnv(VectorEnvBase):
             envs with a worker per core, at the price of isolation.
         batch_size: with ``batch_size < num_envs``, the async engine: use
             ``async_reset``/``send``/``recv`` (see shmvec/engine/async_engine.py).
-        group_size: envs ``g*k .. g*k+g-1`` form group ``k``: ``reset(seed=s)``
-            gives them all seed ``s + k`` and list seeds/options may have one
-            entry per group (GRPO-style grouped rollouts).
+        group_size: envs ``g*k .. g*k+g-1`` share seed ``s + k`` and may share
+            list seeds/options (GRPO-style grouped rollouts).
         ring_depth: result slots in the ring (>= 2).
-        spin_ns: how long a waiter (main or worker) spins before it sleeps on
-            its futex; default ``shmvec.spin.default_spin``.
+        spin_ns: how long a waiter spins before it sleeps (``shmvec.spin``).
     """
 
     def __init__(
@@ -240,20 +226,9 @@ class ShmVectorEnv(VectorEnvBase):
         self._env_blocks = split_blocks(self.num_envs, self.num_workers)
         processes = self.num_workers - 1 if self.step_in_main else self.num_workers
         spin = default_spin(processes) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
-        mode = self.observation_mode if isinstance(self.observation_mode, str) else "custom"
-        spec = WorkerSpec(
-            index=0, first_env=0, env_fns=[], num_envs=self.num_envs,
-            num_workers=self.num_workers, num_slots=self.ring_depth, batch_size=self.batch_size,
-            observation_space=self.single_observation_space,
-            action_space=self.single_action_space, observation_mode=mode,
-            shared_memory=self.shared_memory,
-            autoreset_mode=AUTORESET_CODES[self.autoreset_mode], spin_ns=spin.worker_ns,
-            main_pid=os.getpid(),
-            use_death_signal=threading.current_thread() is threading.main_thread(),
-            on_env_error=self.on_env_error,
-        )  # fmt: skip
         engine = build_engine(
-            spec, self.env_fns, self._env_blocks, self._obs_codec, self._stats, spin,
+            _worker_spec(self, spin.worker_ns), self.env_fns, self._env_blocks,
+            self._obs_codec, self._stats, spin,
             copy=self._copy, context=self.context, daemon=self.daemon,
             step_in_main=self.step_in_main, in_process=self.in_process,
             env_timeout=self.env_timeout, restart_on_death=self.on_worker_death == "restart",
@@ -273,11 +248,9 @@ class ShmVectorEnv(VectorEnvBase):
     ) -> None:
         """Sends a reset to every env, or to those in the reset mask.
 
-        ``seed`` is an int (env ``i`` gets ``seed + i``, or ``seed + i // group_size``
-        with groups), a list with one seed per env (or per group), or None.
-        ``options`` is a dict for every env, or a list with one dict (or None) per
-        env (or per group). The mask is ``options["reset_mask"]`` as in gymnasium,
-        or, with a list of options, the ``reset_mask`` argument.
+        ``seed``: an int (env ``i`` gets ``seed + i // group_size``), a list (per env
+        or per group) or None; ``options``: a dict or such a list. The mask is
+        ``options["reset_mask"]`` as in gymnasium, or the ``reset_mask`` argument.
         """
         self._assert_is_running()
         if self.is_async:
@@ -330,7 +303,8 @@ class ShmVectorEnv(VectorEnvBase):
             # element iterating the batch gives, pickled (protocol.BY_VALUE_BIT).
             by_value = codec.pickled or not codec.is_exact(actions)
             if self.validate_actions:
-                self._check_actions(actions, range(self.num_envs))
+                every_env = range(self.num_envs)
+                check_actions(self.single_action_space, self.action_space, actions, every_env)
             if by_value:
                 per_env = [None] * self.num_envs
                 self._pickled_actions.write_batch(per_env, actions)
@@ -359,13 +333,11 @@ class ShmVectorEnv(VectorEnvBase):
     def step(self, actions: ArrayType):
         """Steps every env; see ``gymnasium.vector.VectorEnv.step``.
 
-        The common case, a sync-mode step of actions of exactly the space's
-        dtype where no worker has anything to say, takes the round driver's
-        short path (``RoundDriver.step_round``): with cheap envs on 2 cores the
-        main process's Python is a tenth of a step, and each call here costs
-        about a microsecond. Anything else goes through ``step_async`` /
-        ``step_wait``, which also take over a short round that met something
-        unusual (an env's error, a pickled info, a late or dead worker).
+        A sync-mode step of actions of exactly the space's dtype takes the short
+        path (``RoundDriver.step_round``; each Python call here costs about a
+        microsecond). Anything else, and a short round that met something
+        unusual (an error, a pickled info, a late worker), goes through
+        ``step_async`` / ``step_wait``.
         """
         if (
             self.closed
@@ -429,7 +401,7 @@ class ShmVectorEnv(VectorEnvBase):
             return
         env_ids = self._async.send_env_ids(env_ids)
         if self.validate_actions:
-            self._check_actions(actions, env_ids.tolist())
+            check_actions(self.single_action_space, self.action_space, actions, env_ids)
         self._action_codec.write_rows(self._action_views, env_ids, actions)
         self._async.start_envs(env_ids, ENV_STEP)
 
@@ -490,8 +462,6 @@ class ShmVectorEnv(VectorEnvBase):
         """Copies of the sub-envs' random generators."""
         return self.get_attr("np_random")
 
-    # ------------------------------------------------------------------ close
-
     def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
         """Closes the envs and stops the workers (SIGKILL after a grace period)."""
         if self._state != AsyncState.DEFAULT:
@@ -538,17 +508,12 @@ class ShmVectorEnv(VectorEnvBase):
         the ring and write actions into the slab without extra copies."""
         return ResultHandoff(self)
 
-    # ---------------------------------------------------------------- helpers
-
     def _finish(self, timeout: float | None, name: str) -> dict[int, dict]:
         """Ends the pending round (``RoundDriver.finish``); the state is idle after."""
         try:
             return self._rounds.finish(timeout, name)
         finally:
             self._state = AsyncState.DEFAULT
-
-    def _check_actions(self, actions: Any, env_ids) -> None:
-        check_actions(self.single_action_space, self.action_space, actions, env_ids)
 
     def stats(self) -> dict[str, Any]:
         """Throughput and where the time goes, since construction.
@@ -560,6 +525,22 @@ class ShmVectorEnv(VectorEnvBase):
         and ``env_resets`` (envs reset after an exception, ``on_env_error``).
         """
         return self._stats.report(self._pool.busy_ns)
+
+
+def _worker_spec(env: ShmVectorEnv, spin_ns: int) -> WorkerSpec:
+    """What every worker of ``env`` shares (``index`` and its envs come later)."""
+    mode = env.observation_mode if isinstance(env.observation_mode, str) else "custom"
+    return WorkerSpec(
+        index=0, first_env=0, env_fns=[], num_envs=env.num_envs,
+        num_workers=env.num_workers, num_slots=env.ring_depth, batch_size=env.batch_size,
+        observation_space=env.single_observation_space,
+        action_space=env.single_action_space, observation_mode=mode,
+        shared_memory=env.shared_memory,
+        autoreset_mode=AUTORESET_CODES[env.autoreset_mode], spin_ns=spin_ns,
+        main_pid=os.getpid(),
+        use_death_signal=threading.current_thread() is threading.main_thread(),
+        on_env_error=env.on_env_error,
+    )  # fmt: skip
 
 
 class ResultHandoff:
