@@ -38,175 +38,48 @@ from __future__ import annotations
 import functools
 import logging
 import multiprocessing
-import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
-from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_space
-from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
+from gymnasium.vector.vector_env import ArrayType, AutoresetMode
 
 try:
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import (
-        NodeAffinitySchedulingStrategy,
-        PlacementGroupSchedulingStrategy,
-    )
+    from ray.exceptions import RayActorError
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "shmvec.ray needs Ray: pip install 'shmvec[ray]' (or pip install 'ray>=2.9')"
     ) from exc
 
 from shmvec.batching import (
+    VectorEnvBase,
     batch_infos,
     check_env_ids,
     check_reset_mask,
     expand_options,
-    expand_seeds,
     recv_whole_batch,
     rows_with_info,
     split_blocks,
     take_reset_mask,
     unbatch_info,
 )
-from shmvec.errors import WorkerDiedError, add_note
-from shmvec.vector_env import ShmVectorEnv
+from shmvec.ray_actors import ACTOR_RESTARTED, ActorDiedError, ActorGroup, EnvActor
 
-__all__ = ["ActorDiedError", "RayVectorEnv"]
-
-#: Ray's error for an actor that is restarting (Ray >= 2.30; older Rays wait instead).
-_UNAVAILABLE = getattr(ray.exceptions, "ActorUnavailableError", ())
+__all__ = ["ActorDiedError", "EnvActor", "RayVectorEnv"]
 
 logger = logging.getLogger("shmvec")
 
-#: How long the constructor waits for the placement group and the actors' envs.
-STARTUP_TIMEOUT_S = 120.0
-#: How long a restarted actor may take to answer again, and how often it is asked.
-RESTART_TIMEOUT_S = 60.0
-RESTART_POLL_S = 0.1
 #: How long close() gives the actors to close their envs before killing them.
 CLOSE_GRACE_S = 5.0
-#: ``infos`` key set (with its ``_actor_restarted`` mask) on the rows of a restarted actor.
-ACTOR_RESTARTED = "actor_restarted"
 
 
-class ActorDiedError(WorkerDiedError):
-    """A Ray actor of a RayVectorEnv died, or a worker process inside it did.
-
-    A ``shmvec.WorkerDiedError``, so one ``except`` covers both vector envs.
-
-    Attributes:
-        worker: the actor's index.
-        env_ids: the envs it owned (global ids).
-        exitcode: always None (Ray does not report one).
-        cause: what Ray, or the actor's ShmVectorEnv, said.
-    """
-
-    def __init__(self, actor: int, env_ids: range, cause: str) -> None:
-        RuntimeError.__init__(
-            self,
-            f"shmvec Ray actor {actor} (envs {env_ids.start}..{env_ids.stop - 1}) died: {cause}",
-        )
-        self.worker = actor
-        self.env_ids = env_ids
-        self.exitcode = None
-        self.cause = cause
-
-    def __reduce__(self):  # it crosses process boundaries as a Ray task error
-        return type(self), (self.worker, self.env_ids, self.cause)
-
-
-class EnvActor:
-    """The body of one Ray actor: a node-local ShmVectorEnv over one block of envs.
-
-    Ray runs one method at a time (the actor's default concurrency of 1), so the
-    ring views that ``copy=False`` returns are serialized into the object store
-    before the next call can overwrite them.
-
-    An actor that Ray restarted (``max_restarts``) knows it: until its envs are
-    reset, ``step`` resets them instead and reports them truncated, with
-    ``infos["actor_restarted"]``, so a restart is never mistaken for a step.
-    """
-
-    def __init__(
-        self,
-        index: int,
-        env_ids: range,
-        env_fns: list[Callable[[], gym.Env]],
-        autoreset_mode: AutoresetMode,
-        vector_kwargs: dict[str, Any],
-    ) -> None:
-        self.index = index
-        self.env_ids = env_ids
-        self.envs = ShmVectorEnv(env_fns, autoreset_mode=autoreset_mode, **vector_kwargs)
-        with warnings.catch_warnings():  # Ray's own use of a deprecated property
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
-
-    def describe(self) -> dict[str, Any]:
-        """Spaces, metadata and where the actor runs."""
-        context = ray.get_runtime_context()
-        return {
-            "single_observation_space": self.envs.single_observation_space,
-            "single_action_space": self.envs.single_action_space,
-            "metadata": self.envs.metadata,
-            "render_mode": self.envs.render_mode,
-            "node_id": context.get_node_id(),
-            "pid": os.getpid(),
-        }
-
-    def reset(self, seeds: list, options: Any, reset_mask: np.ndarray | None) -> tuple:
-        """``ShmVectorEnv.reset`` of the block: ``(obs, infos)``."""
-        self.restarted = False
-        return self._guard(self.envs.reset, seed=seeds, options=options, reset_mask=reset_mask)
-
-    def step(self, actions: Any) -> tuple:
-        """``ShmVectorEnv.step`` of the block (``recover()`` after a restart)."""
-        if self.restarted:
-            return self.recover()
-        return self._guard(self.envs.step, actions)
-
-    def recover(self) -> tuple:
-        """After a restart: resets the envs and reports them truncated, as a step batch."""
-        obs, infos = self.reset(None, None, None)
-        n = len(self.env_ids)
-        infos = batch_infos([(row, [{ACTOR_RESTARTED: True}]) for row in range(n)], n, infos)
-        return obs, np.zeros(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), infos
-
-    def call(self, name: str, args: tuple, kwargs: dict) -> tuple:
-        return self._guard(self.envs.call, name, *args, **kwargs)
-
-    def set_attr(self, name: str, values: list) -> None:
-        self._guard(self.envs.set_attr, name, values)
-
-    def stats(self) -> dict[str, Any]:
-        return self.envs.stats()
-
-    def close(self) -> None:
-        """Closes the envs and ends the actor (Ray does not restart it)."""
-        self.envs.close()
-        ray.actor.exit_actor()
-
-    def _guard(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Runs ``method``; a dead worker of the block becomes a (picklable) ActorDiedError."""
-        try:
-            return method(*args, **kwargs)
-        except WorkerDiedError as exc:
-            raise ActorDiedError(self.index, self.env_ids, str(exc)) from None
-
-
-RemoteEnvActor = ray.remote(EnvActor)
-
-
-class RayVectorEnv(VectorEnv):
+class RayVectorEnv(VectorEnvBase):
     """A gymnasium VectorEnv whose envs live in Ray actors, a ShmVectorEnv in each.
 
     Env ``i`` belongs to one actor's contiguous block; ``reset(seed=s)`` gives it
@@ -298,20 +171,16 @@ class RayVectorEnv(VectorEnv):
         self.actor_env_ids = split_blocks(self.num_envs, num_actors)
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
         self._batch_actors = self._check_batch_size()
-        self.actor_restarts = [0] * num_actors
         self._state = AsyncState.DEFAULT
         self._refs: dict[int, Any] = {}  # sync mode: actor -> its pending call
         self._reset_args: dict[int, tuple] = {}
         self._pending: dict[Any, tuple[int, str]] = {}  # async mode: ref -> (actor, kind)
-        self._stale: list = []  # refs of a call whose wait timed out
         self._sync_reset_pending = False
         self._last_env_ids: np.ndarray | None = None
         self._was_reset = False
         self._stats_steps = 0
         self._stats_episodes = 0
         self._stats_started = time.perf_counter()
-        self.placement_group = None
-        self.actors: list = []
 
         vector_kwargs = {
             "copy": False,
@@ -321,17 +190,11 @@ class RayVectorEnv(VectorEnv):
         options: dict[str, Any] = {"num_cpus": num_cpus_per_actor, **(actor_options or {})}
         if on_actor_death == "restart":
             options.update(max_restarts=max_restarts, max_task_retries=0)
-        try:
-            bundle = {"CPU": num_cpus_per_actor, **options.get("resources", {})}
-            strategies = self._schedule(placement_strategy, node_ids, bundle)
-            for k, rows in enumerate(self.actor_env_ids):
-                actor = RemoteEnvActor.options(scheduling_strategy=strategies[k], **options)
-                block = env_fns[rows.start : rows.stop]
-                self.actors.append(actor.remote(k, rows, block, self.autoreset_mode, vector_kwargs))
-            described = self._started()
-        except BaseException:
-            self._release()
-            raise
+        self._group = ActorGroup(
+            env_fns, self.actor_env_ids, self.autoreset_mode, vector_kwargs, options,
+            on_actor_death, placement_strategy, node_ids,
+        )  # fmt: skip
+        described = self._group.described
         first = described[0]
         self.single_observation_space = first["single_observation_space"]
         self.single_action_space = first["single_action_space"]
@@ -343,6 +206,21 @@ class RayVectorEnv(VectorEnv):
         self.actor_node_ids = [d["node_id"] for d in described]
         self._actor_obs: list[Any] = [None] * num_actors  # each actor's last obs
         self.closed = False
+
+    @property
+    def actors(self) -> list:
+        """The Ray actor handles, one per block."""
+        return self._group.actors
+
+    @property
+    def placement_group(self):
+        """The actors' placement group, or None."""
+        return self._group.placement_group
+
+    @property
+    def actor_restarts(self) -> list[int]:
+        """How many times each actor was restarted."""
+        return self._group.restarts
 
     # ------------------------------------------------------------------ setup
 
@@ -362,45 +240,6 @@ class RayVectorEnv(VectorEnv):
                 f"blocks of {sorted(sizes)} envs, batch_size={self.batch_size}"
             )
         return self.batch_size // block
-
-    def _schedule(self, strategy: str | None, node_ids, bundle: dict[str, float]) -> list:
-        """One Ray scheduling strategy per actor; ``bundle``: the resources of one."""
-        if node_ids is not None:
-            return [NodeAffinitySchedulingStrategy(node, soft=False) for node in node_ids]
-        if strategy is None:
-            return ["DEFAULT"] * self.num_actors
-        bundles = [bundle] * self.num_actors
-        self.placement_group = placement_group(bundles, strategy=strategy)
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=STARTUP_TIMEOUT_S)
-        if not ready:
-            raise RuntimeError(
-                f"the placement group ({self.num_actors} bundles of {bundles[0]}, {strategy}) "
-                f"could not be placed within {STARTUP_TIMEOUT_S:.0f} s; cluster resources: "
-                f"{ray.cluster_resources()}"
-            )
-        return [
-            PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=k)
-            for k in range(self.num_actors)
-        ]
-
-    def _started(self) -> list[dict[str, Any]]:
-        """Waits for every actor's envs; their descriptions, after checking the spaces."""
-        described = self._gather(
-            {k: a.describe.remote() for k, a in enumerate(self.actors)}, STARTUP_TIMEOUT_S
-        )
-        first = described[0]
-        for k, other in described.items():
-            for name in ("single_observation_space", "single_action_space"):
-                if other[name] != first[name]:
-                    raise ValueError(
-                        f"actor {k} has {name} {other[name]}, actor 0 has {first[name]}; "
-                        "every env must share both spaces"
-                    )
-            logger.info(
-                "Ray actor %d on node %s runs envs %d..%d", k, other["node_id"],
-                self.actor_env_ids[k].start, self.actor_env_ids[k].stop - 1,
-            )  # fmt: skip
-        return [described[k] for k in range(self.num_actors)]
 
     @property
     def is_async(self) -> bool:
@@ -447,27 +286,6 @@ class RayVectorEnv(VectorEnv):
             self._actor_obs[k] = obs
         infos = self._merge_infos([(k, results[k][1]) for k in sorted(results)], self.num_envs)
         return self._join_obs(self._actor_obs), infos
-
-    def reset(
-        self,
-        *,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-        reset_mask: np.ndarray | None = None,
-    ) -> tuple[Any, dict[str, Any]]:
-        """Resets the envs; see ``gymnasium.vector.VectorEnv.reset`` and ``reset_async``.
-
-        In async mode this is ``async_reset`` then ``recv``: it returns the first
-        ``batch_size`` envs to finish resetting.
-        """
-        if self.is_async:
-            if reset_mask is not None:
-                raise ValueError("reset_mask needs batch_size == num_envs")
-            self.async_reset(seed=seed, options=options)
-            obs, _, _, _, infos = self.recv()
-            return obs, infos
-        self.reset_async(seed=seed, options=options, reset_mask=reset_mask)
-        return self.reset_wait()
 
     # ------------------------------------------------------------------- step
 
@@ -598,10 +416,10 @@ class RayVectorEnv(VectorEnv):
     def _async_result(self, k: int, kind: str, ref) -> tuple:
         """Actor ``k``'s batch from ``ref`` (of a ``"reset"`` or a ``"step"``)."""
         try:
-            result = self._get(k, ref)
+            result = self._group.get(k, ref)
         except (RayActorError, ActorDiedError) as exc:
             if self.on_actor_death != "restart":
-                raise self._died(k, exc) from exc
+                raise self._group.died(k, exc) from exc
             return self._recover(k, exc)
         if kind == "reset":
             obs, infos = result
@@ -643,33 +461,20 @@ class RayVectorEnv(VectorEnv):
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Calls ``name`` (or reads it, if not callable) in every env; one result each."""
         self._assert_idle("call")
-        results = self._gather({k: a.call.remote(name, args, kwargs) for k, a in self._each()})
+        calls = {k: a.call.remote(name, args, kwargs) for k, a in self._each()}
+        results = self._group.gather(calls)
         return tuple(r for k in range(self.num_actors) for r in results[k])
-
-    def get_attr(self, name: str) -> tuple[Any, ...]:
-        """The attribute ``name`` of every env (callables are called, as in gymnasium)."""
-        return self.call(name)
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Sets ``name`` in every env: one value each, or the same value for all."""
         self._assert_idle("set_attr")
-        if not isinstance(values, (list, tuple)):
-            values = [values] * self.num_envs
-        if len(values) != self.num_envs:
-            raise ValueError(
-                "Values must be a list or tuple with length equal to the number of "
-                f"environments. Got `{len(values)}` values for {self.num_envs} environments."
-            )
-        self._gather(
+        values = self._attr_values(values)
+        self._group.gather(
             {
                 k: a.set_attr.remote(name, list(values[slice(*self._span(k))]))
                 for k, a in self._each()
             }
         )
-
-    def render(self) -> tuple[Any, ...] | None:
-        """Each env's ``render()``."""
-        return self.call("render")
 
     def stats(self) -> dict[str, Any]:
         """Steps, steps/s and episodes since construction, restarts per actor, and each
@@ -683,7 +488,7 @@ class RayVectorEnv(VectorEnv):
             "actor_restarts": list(self.actor_restarts),
         }
         if self._state == AsyncState.DEFAULT and not self._pending:
-            actor_stats = self._gather({k: a.stats.remote() for k, a in self._each()})
+            actor_stats = self._group.gather({k: a.stats.remote() for k, a in self._each()})
             stats["actors"] = [actor_stats[k] for k in range(self.num_actors)]
         return stats
 
@@ -692,34 +497,14 @@ class RayVectorEnv(VectorEnv):
     def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
         """Closes the actors' envs (``timeout`` s, default 5), then kills the actors and
         removes the placement group."""
-        pending = [*self._refs.values(), *self._pending, *self._stale]
+        pending = [*self._refs.values(), *self._pending, *self._group.stale]
         grace = CLOSE_GRACE_S if timeout is None else timeout
         if not terminate:
             closing = [a.close.remote() for a in self.actors]
             ray.wait(pending + closing, num_returns=len(pending) + len(closing), timeout=grace)
-        self._refs, self._pending, self._stale = {}, {}, []
+        self._refs, self._pending, self._group.stale = {}, {}, []
         self._state = AsyncState.DEFAULT
-        self._release()
-
-    def _release(self) -> None:
-        for actor in self.actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone, or Ray shut down
-                pass
-        self.actors = []
-        if self.placement_group is not None:
-            try:
-                remove_placement_group(self.placement_group)
-            except Exception:  # noqa: BLE001
-                pass
-            self.placement_group = None
-
-    def __enter__(self) -> RayVectorEnv:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
+        self._group.release()
 
     def __del__(self) -> None:
         if not getattr(self, "closed", True) and ray.is_initialized():
@@ -733,33 +518,12 @@ class RayVectorEnv(VectorEnv):
     def _span(self, k: int) -> tuple[int, int]:
         return self.actor_env_ids[k].start, self.actor_env_ids[k].stop
 
-    def _assert_is_running(self) -> None:
-        if self.closed:
-            raise ClosedEnvironmentError(
-                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`."
-            )
-
     def _assert_idle(self, name: str) -> None:
         self._assert_is_running()
-        if self._state != AsyncState.DEFAULT:
-            raise AlreadyPendingCallError(
-                f"Calling `{name}` while waiting for a pending call to "
-                f"`{self._state.value}` to complete.",
-                str(self._state.value),
-            )
-        if self._stale:  # late results of a timed-out wait: drop them
-            ray.wait(self._stale, num_returns=len(self._stale))
-            self._stale = []
-
-    def _assert_waiting(self, state: AsyncState, name: str, sender: str) -> None:
-        self._assert_is_running()
-        if self._state != state:
-            raise NoAsyncCallError(
-                f"Calling `{name}` without any prior call to `{sender}`.", state.value
-            )
-
-    def _expand_seeds(self, seed: int | list[int | None] | None) -> list:
-        return expand_seeds(seed, self.num_envs, self.group_size)
+        super()._assert_idle(name)
+        if self._group.stale:  # late results of a timed-out wait: drop them
+            ray.wait(self._group.stale, num_returns=len(self._group.stale))
+            self._group.stale = []
 
     def _split_options(self, options: Any) -> list:
         """Each actor's options: the same dict, or its slice of the per-env list."""
@@ -772,99 +536,19 @@ class RayVectorEnv(VectorEnv):
         """Ends the pending sync-mode call: each actor's result, by actor."""
         refs, self._refs = self._refs, {}
         try:
-            return self._gather(refs, timeout, recover)
+            return self._group.gather(refs, timeout, recover)
         finally:
             self._state = AsyncState.DEFAULT
 
-    def _gather(
-        self,
-        refs: dict[int, Any],
-        timeout: float | None = None,
-        recover: Callable[[int, BaseException], Any] | None = None,
-    ) -> dict[int, Any]:
-        """``ray.get`` of one call per actor; a failure is attributed to its actor.
-
-        ``recover(k, error)`` gives actor ``k``'s result after its death, under the
-        restart policy; without it a death is an ``ActorDiedError``.
-        """
-        try:
-            return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout)))
-        except GetTimeoutError:
-            done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
-            late = [k for k, ref in refs.items() if ref not in set(done)]
-            self._stale = list(refs.values())
-            raise multiprocessing.TimeoutError(
-                f"The call has timed out after {timeout} second(s). Not finished: "
-                + ", ".join(f"actor {k} (envs {self._describe_rows(k)})" for k in late)
-            ) from None
-        except Exception:  # noqa: BLE001 - attributed to its actor below
-            pass
-        results = {}
-        for k, ref in refs.items():
-            try:
-                results[k] = self._get(k, ref)
-            except (RayActorError, ActorDiedError) as exc:
-                if recover is None or self.on_actor_death != "restart":
-                    raise self._died(k, exc) from exc
-                results[k] = recover(k, exc)
-        return results
-
-    def _get(self, k: int, ref) -> Any:
-        """``ray.get(ref)``; an env's own exception gets a note naming the actor."""
-        try:
-            return ray.get(ref)
-        except (RayActorError, ActorDiedError):
-            raise
-        except Exception as exc:
-            add_note(exc, f"in shmvec Ray actor {k} (envs {self._describe_rows(k)})")
-            raise
-
-    def _describe_rows(self, k: int) -> str:
-        rows = self.actor_env_ids[k]
-        return f"{rows.start}..{rows.stop - 1}"
-
-    def _died(self, k: int, exc: BaseException) -> ActorDiedError:
-        if isinstance(exc, ActorDiedError):
-            return ActorDiedError(k, self.actor_env_ids[k], exc.cause)
-        cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        if self.on_actor_death == "restart":
-            cause += f" (restarted {self.actor_restarts[k]} time(s) before)"
-        error = ActorDiedError(k, self.actor_env_ids[k], f"{type(exc).__name__}: {cause}")
-        logger.error("%s", error)
-        return error
-
-    def _restart(self, k: int, exc: BaseException) -> None:
-        """Actor ``k`` died under the restart policy; Ray restarts it, or, if a worker
-        inside it died, it is killed for Ray to restart."""
-        logger.error(
-            "shmvec Ray actor %d (envs %s) died (%s): restarting it",
-            k, self._describe_rows(k), type(exc).__name__,
-        )  # fmt: skip
-        if isinstance(exc, ActorDiedError):  # the actor lives, its ShmVectorEnv does not
-            ray.kill(self.actors[k], no_restart=False)
-
     def _redo_reset(self, k: int, exc: BaseException) -> tuple:
         """A reset after actor ``k`` died: the same reset on the restarted actor."""
-        self._restart(k, exc)
-        return self._call_restarted(k, "reset", *self._reset_args[k])
+        self._group.restart(k, exc)
+        return self._group.call_restarted(k, "reset", *self._reset_args[k])
 
     def _recover(self, k: int, exc: BaseException) -> tuple:
         """A step after actor ``k`` died: its envs, new, report truncated."""
-        self._restart(k, exc)
-        return self._call_restarted(k, "recover")
-
-    def _call_restarted(self, k: int, method: str, *args: Any) -> Any:
-        """Calls ``method`` of actor ``k`` once Ray has restarted it. A call can land
-        while Ray still reconnects to the new actor (``ActorUnavailableError``): it is
-        retried for up to ``RESTART_TIMEOUT_S``; any other failure is an ActorDiedError."""
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
-        while True:
-            try:
-                return self._get(k, getattr(self.actors[k], method).remote(*args))
-            except (RayActorError, ActorDiedError) as exc:
-                if not isinstance(exc, _UNAVAILABLE) or time.monotonic() > deadline:
-                    raise self._died(k, exc) from exc
-                time.sleep(RESTART_POLL_S)
+        self._group.restart(k, exc)
+        return self._group.call_restarted(k, "recover")
 
     def _join(self, batches: list[tuple], actors: list[int], rows: int) -> tuple:
         """Actor batches, in the order given, as one batch of ``rows`` rows."""
