@@ -102,9 +102,8 @@ class RayVectorEnv(VectorEnvBase):
         batch_size: with ``batch_size < num_envs``, the async mode: ``recv()`` returns
             the first ``batch_size // envs_per_actor`` actor batches that are ready.
             It must be a multiple of the (then equal) block size.
-        group_size: envs ``g*k .. g*k+g-1`` form group ``k`` across actors, as in
-            ``ShmVectorEnv``: ``reset(seed=s)`` gives them all seed ``s + k``, and list
-            seeds/options may have one entry per group.
+        group_size: envs ``g*k .. g*k+g-1`` share seed ``s + k`` across actors, as in
+            ``ShmVectorEnv``.
         on_actor_death: ``"raise"``: a dead actor is an ``ActorDiedError`` naming it and
             its envs. ``"restart"``: Ray restarts it (up to ``max_restarts`` times), its
             envs are created and reset again and report ``truncated`` with
@@ -117,9 +116,8 @@ class RayVectorEnv(VectorEnvBase):
         node_ids: pin actor ``k`` to node ``node_ids[k]`` (hex ids, as in
             ``ray.nodes()``) with ``NodeAffinitySchedulingStrategy``; no placement group.
         actor_options: extra ``ActorClass.options(...)``, e.g. ``{"resources":
-            {"env_node": 1}}`` to schedule only on nodes started with that custom
-            resource (``ray start --resources='{"env_node": 8}'``; the placement
-            group's bundles ask for it too), or ``{"runtime_env": ...}``.
+            {"env_node": 1}}`` (only nodes with that custom resource; the placement
+            group's bundles ask for it too) or ``{"runtime_env": ...}``.
         vector_kwargs: keyword arguments of each actor's ``ShmVectorEnv``
             (``num_workers``, ``context``, ``spin_ns``...). Default ``copy=False``: the
             actor's results are copied into the object store anyway.
@@ -170,7 +168,7 @@ class RayVectorEnv(VectorEnvBase):
         self.on_actor_death = on_actor_death
         self.actor_env_ids = split_blocks(self.num_envs, num_actors)
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
-        self._batch_actors = self._check_batch_size()
+        self._batch_actors = _actor_batches(self.batch_size, self.actor_env_ids)
         self._state = AsyncState.DEFAULT
         self._refs: dict[int, Any] = {}  # sync mode: actor -> its pending call
         self._reset_args: dict[int, tuple] = {}
@@ -224,23 +222,6 @@ class RayVectorEnv(VectorEnvBase):
 
     # ------------------------------------------------------------------ setup
 
-    def _check_batch_size(self) -> int:
-        """The number of actor batches one ``recv()`` returns."""
-        if self.batch_size == self.num_envs:
-            return self.num_actors
-        if not 1 <= self.batch_size <= self.num_envs:
-            raise ValueError(
-                f"batch_size must be between 1 and num_envs={self.num_envs}, got {self.batch_size}"
-            )
-        sizes = {len(rows) for rows in self.actor_env_ids}
-        block = len(self.actor_env_ids[0])
-        if len(sizes) != 1 or self.batch_size % block:
-            raise ValueError(
-                f"batch_size < num_envs needs equal actor blocks and a multiple of them: "
-                f"blocks of {sorted(sizes)} envs, batch_size={self.batch_size}"
-            )
-        return self.batch_size // block
-
     @property
     def is_async(self) -> bool:
         """True when ``batch_size < num_envs``."""
@@ -284,7 +265,8 @@ class RayVectorEnv(VectorEnvBase):
         results = self._finish(timeout, self._redo_reset)
         for k, (obs, _) in results.items():
             self._actor_obs[k] = obs
-        infos = self._merge_infos([(k, results[k][1]) for k in sorted(results)], self.num_envs)
+        parts = [(k, results[k][1]) for k in sorted(results)]
+        infos = _merge_infos(parts, self.actor_env_ids, self.num_envs)
         return self._join_obs(self._actor_obs), infos
 
     # ------------------------------------------------------------------- step
@@ -340,7 +322,7 @@ class RayVectorEnv(VectorEnvBase):
             return
         seeds, per_actor = self._expand_seeds(seed), self._split_options(options)
         ids = np.arange(self.num_envs) if env_ids is None else env_ids
-        for k in self._idle_actors(ids, "async_reset"):
+        for k in _idle_actors(ids, self.actor_env_ids, self._busy(), "async_reset"):
             rows = self.actor_env_ids[k]
             args = (seeds[rows.start : rows.stop], per_actor[k], None)
             self._pending[self.actors[k].reset.remote(*args)] = (k, "reset")
@@ -375,7 +357,7 @@ class RayVectorEnv(VectorEnvBase):
             raise RuntimeError("send() before async_reset(): reset the envs first")
         position = np.empty(self.num_envs, dtype=np.int64)
         position[ids] = np.arange(len(ids))
-        for k in self._idle_actors(ids, "send"):
+        for k in _idle_actors(ids, self.actor_env_ids, self._busy(), "send"):
             rows = self.actor_env_ids[k]
             block_actions = _take_rows(self.single_action_space, actions, position[rows])
             self._pending[self.actors[k].step.remote(block_actions)] = (k, "step")
@@ -430,31 +412,6 @@ class RayVectorEnv(VectorEnvBase):
     def _recv_sync(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict]:
         pending, self._sync_reset_pending = self._sync_reset_pending, False
         return recv_whole_batch(self, pending, timeout)
-
-    def _idle_actors(self, env_ids: Any, name: str) -> list[int]:
-        """The actors whose whole blocks ``env_ids`` names; each must be idle."""
-        ids = check_env_ids(env_ids, self.num_envs)
-        named = np.zeros(self.num_envs, dtype=bool)
-        named[ids] = True
-        busy = {k for k, _ in self._pending.values()}
-        actors = []
-        for k, rows in enumerate(self.actor_env_ids):
-            block = named[rows.start : rows.stop]
-            if not block.any():
-                continue
-            if not block.all():
-                raise ValueError(
-                    f"{name}() steps whole actor blocks: actor {k} owns envs "
-                    f"{rows.start}..{rows.stop - 1}, env_ids names only "
-                    f"{(np.flatnonzero(block) + rows.start).tolist()}"
-                )
-            if k in busy:
-                raise ValueError(
-                    f"envs {rows.start}..{rows.stop - 1} (actor {k}) are not awaiting an "
-                    "action: their previous call is still running (recv() its result first)"
-                )
-            actors.append(k)
-        return actors
 
     # ------------------------------------------------------------- call & co
 
@@ -515,6 +472,9 @@ class RayVectorEnv(VectorEnvBase):
     def _each(self):
         return enumerate(self.actors)
 
+    def _busy(self) -> set[int]:
+        return {k for k, _ in self._pending.values()}
+
     def _span(self, k: int) -> tuple[int, int]:
         return self.actor_env_ids[k].start, self.actor_env_ids[k].stop
 
@@ -556,7 +516,8 @@ class RayVectorEnv(VectorEnvBase):
         rewards, terminations, truncations = (
             np.concatenate([b[i] for b in batches]) for i in (1, 2, 3)
         )
-        infos = self._merge_infos([(k, b[4]) for k, b in zip(actors, batches)], rows, by_env=False)
+        parts = [(k, b[4]) for k, b in zip(actors, batches)]
+        infos = _merge_infos(parts, self.actor_env_ids, rows, by_env=False)
         for k, batch in zip(actors, batches):
             self.actor_restarts[k] += ACTOR_RESTARTED in batch[4]
         self._stats_steps += len(rewards)
@@ -566,21 +527,47 @@ class RayVectorEnv(VectorEnvBase):
     def _join_obs(self, batches: list) -> Any:
         return _concatenate_batches(self.single_observation_space, batches)
 
-    def _merge_infos(
-        self, parts: list[tuple[int, dict]], rows: int, by_env: bool = True
-    ) -> dict[str, Any]:
-        """Merges the actors' batched infos with ``VectorEnv._add_info``.
 
-        ``parts`` are ``(actor, infos)``; an actor's rows land at its env ids
-        (``by_env``) or one after another in the order given.
-        """
-        items = []
-        offset = 0
-        for k, block in parts:
-            first = self.actor_env_ids[k].start if by_env else offset
-            offset += len(self.actor_env_ids[k])
-            items += [(first + row, [info]) for row, [info] in _items(block)]
-        return batch_infos(items, rows)
+def _actor_batches(batch_size: int, blocks: list[range]) -> int:
+    """The number of actor batches one ``recv()`` returns."""
+    num_envs = blocks[-1].stop
+    if batch_size == num_envs:
+        return len(blocks)
+    if not 1 <= batch_size <= num_envs:
+        raise ValueError(f"batch_size must be between 1 and num_envs={num_envs}, got {batch_size}")
+    sizes = {len(rows) for rows in blocks}
+    block = len(blocks[0])
+    if len(sizes) != 1 or batch_size % block:
+        raise ValueError(
+            f"batch_size < num_envs needs equal actor blocks and a multiple of them: "
+            f"blocks of {sorted(sizes)} envs, batch_size={batch_size}"
+        )
+    return batch_size // block
+
+
+def _idle_actors(env_ids: Any, blocks: list[range], busy: set, name: str) -> list[int]:
+    """The actors whose whole blocks ``env_ids`` names; none may be ``busy``."""
+    ids = check_env_ids(env_ids, blocks[-1].stop)
+    named = np.zeros(blocks[-1].stop, dtype=bool)
+    named[ids] = True
+    actors = []
+    for k, rows in enumerate(blocks):
+        block = named[rows.start : rows.stop]
+        if not block.any():
+            continue
+        if not block.all():
+            raise ValueError(
+                f"{name}() steps whole actor blocks: actor {k} owns envs "
+                f"{rows.start}..{rows.stop - 1}, env_ids names only "
+                f"{(np.flatnonzero(block) + rows.start).tolist()}"
+            )
+        if k in busy:
+            raise ValueError(
+                f"envs {rows.start}..{rows.stop - 1} (actor {k}) are not awaiting an "
+                "action: their previous call is still running (recv() its result first)"
+            )
+        actors.append(k)
+    return actors
 
 
 def _env_fns(
@@ -662,6 +649,23 @@ def _concatenate_batches(space: gym.Space, batches: list) -> Any:
     if isinstance(space, _FIXED_SIZE):
         return np.concatenate(batches)
     return tuple(value for batch in batches for value in batch)
+
+
+def _merge_infos(
+    parts: list[tuple[int, dict]], blocks: list[range], rows: int, by_env: bool = True
+) -> dict[str, Any]:
+    """Merges the actors' batched infos with ``VectorEnv._add_info``.
+
+    ``parts`` are ``(actor, infos)``; an actor's rows land at its env ids
+    (``by_env``) or one after another in the order given.
+    """
+    items = []
+    offset = 0
+    for k, block in parts:
+        first = blocks[k].start if by_env else offset
+        offset += len(blocks[k])
+        items += [(first + row, [info]) for row, [info] in _items(block)]
+    return batch_infos(items, rows)
 
 
 def _items(infos: dict) -> list[tuple[int, list[dict]]]:
