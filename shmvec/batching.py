@@ -18,6 +18,11 @@ from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import iterate
 from gymnasium.vector.vector_env import VectorEnv
 
+#: What ``reset`` takes as ``seed``: one int for all envs, one per env or group, or None.
+Seeds = int | list[int | None] | None
+#: What ``reset`` takes as ``options``: one dict for all envs, one per env or group, or None.
+Options = dict[str, Any] | list[dict[str, Any] | None] | None
+
 
 def split_blocks(num_envs: int, num_parts: int) -> list[range]:
     """Contiguous, as-even-as-possible blocks of env ids, the larger ones first."""
@@ -224,8 +229,8 @@ class VectorEnvBase(VectorEnv):
     def reset(
         self,
         *,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
+        seed: Seeds = None,
+        options: Options = None,
         reset_mask: np.ndarray | None = None,
     ) -> tuple[Any, dict[str, Any]]:
         """Resets the envs; see ``gymnasium.vector.VectorEnv.reset`` and ``reset_async``.

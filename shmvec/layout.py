@@ -437,12 +437,13 @@ class SegmentLayout:
         return self._worker_u32(buffer, LINE_FINISHED)
 
     def _worker_u32(self, buffer, column: int) -> np.ndarray:
-        words = np.ndarray(
-            (self.num_workers, CACHE_LINE // 4),
-            np.uint32,
-            buffer=buffer,
-            offset=self.worker_words_offset,
-        )
+        return self._worker_line_words(buffer, np.uint32, column)
+
+    def _worker_line_words(self, buffer, dtype, column: int) -> np.ndarray:
+        """Word ``column`` of each worker's line, viewed as ``dtype``."""
+        itemsize = np.dtype(dtype).itemsize
+        lines = (self.num_workers, CACHE_LINE // itemsize)
+        words = np.ndarray(lines, dtype, buffer=buffer, offset=self.worker_words_offset)
         return words[:, column]
 
     def worker_busy_ns(self, buffer) -> np.ndarray:
@@ -455,13 +456,7 @@ class SegmentLayout:
         return self._worker_u64(buffer, LINE_ENV_STARTED_NS)
 
     def _worker_u64(self, buffer, column: int) -> np.ndarray:
-        words = np.ndarray(
-            (self.num_workers, CACHE_LINE // 8),
-            np.uint64,
-            buffer=buffer,
-            offset=self.worker_words_offset,
-        )
-        return words[:, column]
+        return self._worker_line_words(buffer, np.uint64, column)
 
     def env_commands(self, buffer) -> np.ndarray:
         """uint8 per env (async mode): what the env's worker must do next."""

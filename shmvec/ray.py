@@ -58,6 +58,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from shmvec.batching import (
+    Options,
+    Seeds,
     VectorEnvBase,
     batch_infos,
     check_env_ids,
@@ -229,12 +231,7 @@ class RayVectorEnv(VectorEnvBase):
 
     # ------------------------------------------------------------------ reset
 
-    def reset_async(
-        self,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-        reset_mask: np.ndarray | None = None,
-    ) -> None:
+    def reset_async(self, seed: Seeds = None, options: Options = None, reset_mask=None) -> None:
         """Sends a reset to every actor whose block has an env to reset.
 
         ``seed``: an int (env ``i`` gets ``seed + i``), a list with one seed per env,
@@ -301,12 +298,7 @@ class RayVectorEnv(VectorEnvBase):
 
     # ------------------------------------------------------------------ async
 
-    def async_reset(
-        self,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-        env_ids: Any = None,
-    ) -> None:
+    def async_reset(self, seed: Seeds = None, options: Options = None, env_ids=None) -> None:
         """Resets envs without waiting; ``recv()`` returns the results.
 
         ``seed`` and ``options`` are expanded over all envs as in ``reset``. In async

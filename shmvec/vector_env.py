@@ -47,6 +47,8 @@ from gymnasium.vector.utils import batch_differing_spaces, batch_space
 from gymnasium.vector.vector_env import ArrayType, AutoresetMode
 
 from shmvec.batching import (
+    Options,
+    Seeds,
     VectorEnvBase,
     check_actions,
     check_reset_mask,
@@ -240,12 +242,7 @@ class ShmVectorEnv(VectorEnvBase):
 
     # ------------------------------------------------------------------ reset
 
-    def reset_async(
-        self,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-        reset_mask: np.ndarray | None = None,
-    ) -> None:
+    def reset_async(self, seed: Seeds = None, options: Options = None, reset_mask=None) -> None:
         """Sends a reset to every env, or to those in the reset mask.
 
         ``seed``: an int (env ``i`` gets ``seed + i // group_size``), a list (per env
@@ -365,12 +362,7 @@ class ShmVectorEnv(VectorEnvBase):
 
     # ------------------------------------------------------------------ async
 
-    def async_reset(
-        self,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-        env_ids: Any = None,
-    ) -> None:
+    def async_reset(self, seed: Seeds = None, options: Options = None, env_ids=None) -> None:
         """Resets envs without waiting; ``recv()`` returns the results.
 
         ``seed`` and ``options`` are expanded over all envs as in ``reset``

@@ -21,7 +21,7 @@ import numpy as np
 
 from shmvec import _core
 from shmvec.batching import check_env_ids
-from shmvec.engine.decoder import ResultDecoder, raise_errors
+from shmvec.engine.decoder import raise_errors
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
 from shmvec.engine.supervisor import Supervisor
@@ -33,11 +33,11 @@ class AsyncEngine:
     """The ring, the doorbells and the env commands of one vector env.
 
     Args:
+        batch_size: rows per ``recv``.
         pool: the workers (segment open, workers not yet started).
         supervisor: liveness, timeouts, restarts.
-        decoder: turns ring rows into results.
+        decoder: the ResultDecoder, which turns ring rows into results.
         stats: counts results.
-        batch_size: rows per ``recv``.
     """
 
     #: How often ``recv`` checks that every worker lives when it need not wait
@@ -45,12 +45,7 @@ class AsyncEngine:
     periodic_check_s = LIVENESS_CHECK_S
 
     def __init__(
-        self,
-        pool: WorkerPool,
-        supervisor: Supervisor,
-        decoder: ResultDecoder,
-        stats: Stats,
-        batch_size: int,
+        self, batch_size: int, pool: WorkerPool, supervisor: Supervisor, decoder, stats: Stats
     ) -> None:
         layout, segment = pool.layout, pool.segment
         self.pool, self.supervisor, self.decoder, self.stats = pool, supervisor, decoder, stats
