@@ -444,8 +444,7 @@ class Worker:
         why = {"worker_restarted": True}
         if command == ENV_RESET:
             seed, options = self._take_reset_args(self.rows.start + i)
-            obs, info = self.envs[i].reset(seed=seed, options=options)
-            return obs, 0.0, False, False, [{**info, **why}]
+            return _worker_loop.reset_result(self.envs[i], seed, options, why)
         return self.truncated_reset(i, why)
 
     def recover_async(self, plan: dict) -> None:
@@ -462,9 +461,7 @@ class Worker:
                 slot, row = self.ring.claim()
             views = self.slots[slot]
             obs_target = self._obs_target(slot)
-            self.obs_codec.write(obs_target, row, result[0])
-            views.rewards[row], views.terminations[row] = result[1], result[2]
-            views.truncations[row] = result[3]
+            self.stepper.write_row(obs_target, views, row, result)
             views.info_codes[row] = 0
             views.env_ids[row], views.messages[row] = env_id, 1
             self.autoreset[i] = 1 if result[3] else 0
@@ -495,18 +492,15 @@ class Worker:
         for i, row in enumerate(self.rows):
             try:
                 if kind == STEP:
-                    obs, _, _, _, merged = self.truncated_reset(i, why)
-                    views.rewards[row], views.terminations[row] = 0.0, 0
-                    views.truncations[row] = 1
+                    result = self.truncated_reset(i, why)
                     self.autoreset[i] = 1
                 elif kind == RESET:
-                    obs, info = self.envs[i].reset(seed=seeds[i], options=options[i])
-                    merged = [{**info, **why}]
+                    result = _worker_loop.reset_result(self.envs[i], seeds[i], options[i], why)
                 else:
                     self.envs[i].reset()
                     continue
-                self.obs_codec.write(obs_target, row, obs)
-                infos.append((row, merged))
+                self.stepper.write_row(obs_target, views, row, result)
+                infos.append((row, result[4]))
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
                 errors.append((row, exc, traceback.format_exc()))
         if kind not in (STEP, RESET):
@@ -536,11 +530,11 @@ class Worker:
             if mask is not None and not mask[i]:
                 continue
             try:
-                obs, info = env.reset(seed=seeds[i], options=options[i])
-                self.obs_codec.write(obs_target, row, obs)
+                result = _worker_loop.reset_result(env, seeds[i], options[i])
+                self.obs_codec.write(obs_target, row, result[0])
                 self.autoreset[i] = 0
-                if info:
-                    infos.append((row, [info]))
+                if result[4]:
+                    infos.append((row, result[4]))
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
                 errors.append((row, exc, traceback.format_exc()))
         return self._message(infos, errors, obs_target)
