@@ -2,8 +2,9 @@
 // arrival order, and a doorbell per worker.
 //
 // Data flow (batch_size < num_envs):
-//   main:    writes actions of some envs, bumps their sequence words, and
-//            rings the doorbell of each worker that owns one of them
+//   main:    writes actions of some envs and their env commands (one byte
+//            per env, shmvec/protocol.py), and rings the doorbell of each
+//            worker that owns one of them
 //   worker:  wait() on its doorbell; steps each env with a new action; for
 //            each, claim() the next row of the ring, writes the results and
 //            the env id there, and publish()es the row; the publish that

@@ -19,6 +19,8 @@ from numpy import shape as _shape
 from shmvec.infos import CELL_KINDS as _CELL_KINDS
 from shmvec.infos import CODES as _CODES
 from shmvec.infos import INFO_COLUMNS
+from shmvec import protocol
+from shmvec.protocol import ENV_IDLE, ENV_RESET
 
 cdef extern from "barrier.h" namespace "shmvec":
     cdef cppclass BarrierWords:
@@ -41,14 +43,16 @@ cdef extern from "barrier.h" namespace "shmvec":
         void arrive(bint message) nogil
         uint32_t generation() nogil
 
-# Autoreset modes, as ints (shmvec.worker maps gymnasium's enum onto them).
+# Autoreset modes (shmvec.protocol.AUTORESET_CODES), as C constants for the hot loop.
 cdef enum:
     NEXT_STEP = 0
     SAME_STEP = 1
     DISABLED = 2
 
-# The same codes, for Python.
-MODE_NEXT_STEP, MODE_SAME_STEP, MODE_DISABLED = NEXT_STEP, SAME_STEP, DISABLED
+if (NEXT_STEP, SAME_STEP, DISABLED) != (
+    protocol.AUTORESET_NEXT_STEP, protocol.AUTORESET_SAME_STEP, protocol.AUTORESET_DISABLED
+):
+    raise ImportError("shmvec._worker_loop was built for other autoreset codes: rebuild it")
 
 
 cdef class WorkerBarrier:
@@ -184,6 +188,19 @@ cdef class Stepper:
             return action.copy() if self.copy_action else action
         return self.action_codec.read(action_views, env_id)
 
+    cdef tuple step_one(self, object env, list action_views, Py_ssize_t env_id,
+                        bint reset_first, object on_error, Py_ssize_t i):
+        """Reads env ``env_id``'s action and ``advance``s it; an exception is
+        ``on_error(i, exc)``'s result (``on_env_error="reset"``) or raised."""
+        try:
+            action = None if (self.mode == NEXT_STEP and reset_first) \
+                else self.read_action(action_views, env_id)
+            return self.advance(env, action, reset_first)
+        except Exception as exc:  # noqa: BLE001
+            if on_error is None:
+                raise
+            return on_error(i, exc)
+
     cdef tuple advance(self, object env, object action, bint reset_first):
         """(obs, reward, terminated, truncated, infos to merge or None)."""
         cdef object obs, reward, terminated, truncated, info, final_obs, final_info
@@ -216,6 +233,29 @@ cdef class Stepper:
         rewards[row] = reward
         terminations[row] = 1 if terminated else 0
         truncations[row] = 1 if truncated else 0
+
+    def write_row(self, object obs_views, object views, Py_ssize_t row, tuple result):
+        """``write`` into ring slot ``views`` (a SlotViews); ``obs_views``: its
+        observation columns, or the dict of a pickled space. For restarts."""
+        self.write(obs_views, views.rewards, views.terminations, views.truncations, row, result)
+
+
+cdef object pickled_infos(tuple result, InfoColumns columns, Py_ssize_t row, list announced):
+    """The infos of ``result`` that must be pickled (None when there are none, or
+    when they went into ``columns`` at ``row``; new columns go to ``announced``)."""
+    merged = result[4]
+    if merged is None or (len(merged) == 1 and columns.write(merged[0], row, announced)):
+        return None
+    return merged
+
+
+def reset_result(object env, object seed, object options, dict extra=None):
+    """``env.reset(seed=, options=)`` as a result (``Stepper.advance``'s shape); ``extra``
+    is merged into the info (and the info is kept even when empty)."""
+    obs, info = env.reset(seed=seed, options=options)
+    if extra is not None:
+        return obs, 0.0, False, False, [{**info, **extra}]
+    return obs, 0.0, False, False, ([info] if info else None)
 
 
 cdef bint _copy_row(object column, Py_ssize_t row, object value, Py_ssize_t nbytes) except -1:
@@ -286,20 +326,16 @@ def step_envs(
         info_columns.clear(row)
         try:
             try:
-                action = None if (stepper.mode == NEXT_STEP and autoreset[i]) \
-                    else stepper.read_action(action_views, row)
-                result = stepper.advance(envs[i], action, autoreset[i])
+                result = stepper.step_one(envs[i], action_views, row, autoreset[i], None, i)
                 stepper.write(obs_views, rewards, terminations, truncations, row, result)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a failed write resets too
                 if on_error is None:
                     raise
                 result = on_error(i, exc)
                 stepper.write(obs_views, rewards, terminations, truncations, row, result)
             autoreset[i] = 1 if (result[2] or result[3]) else 0
-            merged = result[4]
-            if merged is not None and not (
-                len(merged) == 1 and info_columns.write(merged[0], row, announced)
-            ):
+            merged = pickled_infos(result, info_columns, row, announced)
+            if merged is not None:
                 infos.append((row, merged))
         except Exception as exc:  # noqa: BLE001 - re-raised in the main process
             errors.append((row, exc, _format_exc()))
@@ -373,11 +409,6 @@ cdef class WorkerRing:
             self.ring.publish(slot)
 
 
-# Env commands of the async engine (one uint8 per env in the segment).
-ENV_IDLE = 0
-ENV_STEP = 1
-ENV_RESET = 2
-
 
 def step_pending(
     Stepper stepper,
@@ -441,18 +472,9 @@ def step_pending(
                 restarted[i] = 0
                 result = restart(i, command)
             elif command == ENV_RESET:
-                seed, options = take_reset_args(env_id)
-                obs, info = envs[i].reset(seed=seed, options=options)
-                result = (obs, 0.0, False, False, [info] if info else None)
+                result = reset_result(envs[i], *take_reset_args(env_id))
             else:
-                try:
-                    action = None if (stepper.mode == NEXT_STEP and autoreset[i]) \
-                        else stepper.read_action(action_views, env_id)
-                    result = stepper.advance(envs[i], action, autoreset[i])
-                except Exception as exc:  # noqa: BLE001
-                    if on_error is None:
-                        raise
-                    result = on_error(i, exc)
+                result = stepper.step_one(envs[i], action_views, env_id, autoreset[i], on_error, i)
             autoreset[i] = 1 if (result[2] or result[3]) else 0
         except Exception as exc:  # noqa: BLE001 - re-raised in the main process
             error = (env_id, exc, _format_exc())
@@ -468,10 +490,8 @@ def step_pending(
             try:
                 stepper.write(obs_target, slot.rewards, slot.terminations,
                               slot.truncations, ref.row, result)
-                merged = result[4]
-                if merged is not None and not (
-                    len(merged) == 1 and columns.write(merged[0], ref.row, announced)
-                ):
+                merged = pickled_infos(result, columns, ref.row, announced)
+                if merged is not None:
                     message = {"infos": [(ref.row, merged)]}
                 if stepper.obs_codec.pickled:
                     message = message or {}

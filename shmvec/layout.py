@@ -29,6 +29,13 @@ from gymnasium import spaces
 from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
 from shmvec.infos import INFO_COLUMNS
+from shmvec.protocol import (
+    LINE_BUSY_NS,
+    LINE_CURRENT_ENV,
+    LINE_ENV_STARTED_NS,
+    LINE_FINISHED,
+    LINE_MESSAGE,
+)
 
 CACHE_LINE = 64
 
@@ -415,46 +422,41 @@ class SegmentLayout:
     def worker_words(self, buffer) -> np.ndarray:
         """uint32 per worker, 1 when a pickled message follows its round.
 
-        Each worker's cache line: this flag (bytes 0..3), the env it is stepping
-        (4..7), busy nanoseconds (8..15), its last finished generation (16..19),
-        when it began its current env (24..31, async mode).
+        Each worker's cache line holds the words of shmvec/protocol.py's
+        ``LINE_*`` indices: this flag, the env it is stepping, busy nanoseconds,
+        its last finished generation, when it began its current env.
         """
-        return self._worker_u32(buffer, 0)
+        return self._worker_u32(buffer, LINE_MESSAGE)
 
     def worker_current_env(self, buffer) -> np.ndarray:
         """uint32 per worker: 1 + the env it is stepping, 0 between envs."""
-        return self._worker_u32(buffer, 1)
+        return self._worker_u32(buffer, LINE_CURRENT_ENV)
 
     def worker_finished_generation(self, buffer) -> np.ndarray:
         """uint32 per worker: the last barrier generation it finished."""
-        return self._worker_u32(buffer, 4)  # bytes 16..19: after busy_ns
+        return self._worker_u32(buffer, LINE_FINISHED)
 
     def _worker_u32(self, buffer, column: int) -> np.ndarray:
-        words = np.ndarray(
-            (self.num_workers, CACHE_LINE // 4),
-            np.uint32,
-            buffer=buffer,
-            offset=self.worker_words_offset,
-        )
+        return self._worker_line_words(buffer, np.uint32, column)
+
+    def _worker_line_words(self, buffer, dtype, column: int) -> np.ndarray:
+        """Word ``column`` of each worker's line, viewed as ``dtype``."""
+        itemsize = np.dtype(dtype).itemsize
+        lines = (self.num_workers, CACHE_LINE // itemsize)
+        words = np.ndarray(lines, dtype, buffer=buffer, offset=self.worker_words_offset)
         return words[:, column]
 
     def worker_busy_ns(self, buffer) -> np.ndarray:
         """uint64 per worker: nanoseconds it spent serving commands (its own line)."""
-        return self._worker_u64(buffer, 1)
+        return self._worker_u64(buffer, LINE_BUSY_NS)
 
     def worker_env_started_ns(self, buffer) -> np.ndarray:
         """uint64 per worker (async mode): CLOCK_MONOTONIC ns when it began its
         current env (``env_timeout``)."""
-        return self._worker_u64(buffer, 3)
+        return self._worker_u64(buffer, LINE_ENV_STARTED_NS)
 
     def _worker_u64(self, buffer, column: int) -> np.ndarray:
-        words = np.ndarray(
-            (self.num_workers, CACHE_LINE // 8),
-            np.uint64,
-            buffer=buffer,
-            offset=self.worker_words_offset,
-        )
-        return words[:, column]
+        return self._worker_line_words(buffer, np.uint64, column)
 
     def env_commands(self, buffer) -> np.ndarray:
         """uint8 per env (async mode): what the env's worker must do next."""

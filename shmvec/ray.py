@@ -38,166 +38,50 @@ from __future__ import annotations
 import functools
 import logging
 import multiprocessing
-import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
-from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_space
-from gymnasium.vector.vector_env import ArrayType, AutoresetMode, VectorEnv
+from gymnasium.vector.vector_env import ArrayType, AutoresetMode
 
 try:
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import (
-        NodeAffinitySchedulingStrategy,
-        PlacementGroupSchedulingStrategy,
-    )
+    from ray.exceptions import RayActorError
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "shmvec.ray needs Ray: pip install 'shmvec[ray]' (or pip install 'ray>=2.9')"
     ) from exc
 
-from shmvec.async_api import recv_whole_batch
-from shmvec.errors import WorkerDiedError, add_note
-from shmvec.vector_env import ShmVectorEnv, expand_options, expand_seeds
+from shmvec.batching import (
+    Options,
+    Seeds,
+    VectorEnvBase,
+    batch_infos,
+    check_env_ids,
+    check_reset_mask,
+    expand_options,
+    recv_whole_batch,
+    rows_with_info,
+    split_blocks,
+    take_reset_mask,
+    unbatch_info,
+)
+from shmvec.ray_actors import ACTOR_RESTARTED, ActorDiedError, ActorGroup, EnvActor
 
-__all__ = ["ActorDiedError", "RayVectorEnv"]
-
-#: Ray's error for an actor that is restarting (Ray >= 2.30; older Rays wait instead).
-_UNAVAILABLE = getattr(ray.exceptions, "ActorUnavailableError", ())
+__all__ = ["ActorDiedError", "EnvActor", "RayVectorEnv"]
 
 logger = logging.getLogger("shmvec")
 
-#: How long the constructor waits for the placement group and the actors' envs.
-STARTUP_TIMEOUT_S = 120.0
-#: How long a restarted actor may take to answer again, and how often it is asked.
-RESTART_TIMEOUT_S = 60.0
-RESTART_POLL_S = 0.1
 #: How long close() gives the actors to close their envs before killing them.
 CLOSE_GRACE_S = 5.0
-#: ``infos`` key set (with its ``_actor_restarted`` mask) on the rows of a restarted actor.
-ACTOR_RESTARTED = "actor_restarted"
 
 
-class ActorDiedError(WorkerDiedError):
-    """A Ray actor of a RayVectorEnv died, or a worker process inside it did.
-
-    A ``shmvec.WorkerDiedError``, so one ``except`` covers both vector envs.
-
-    Attributes:
-        worker: the actor's index.
-        env_ids: the envs it owned (global ids).
-        exitcode: always None (Ray does not report one).
-        cause: what Ray, or the actor's ShmVectorEnv, said.
-    """
-
-    def __init__(self, actor: int, env_ids: range, cause: str) -> None:
-        RuntimeError.__init__(
-            self,
-            f"shmvec Ray actor {actor} (envs {env_ids.start}..{env_ids.stop - 1}) died: {cause}",
-        )
-        self.worker = actor
-        self.env_ids = env_ids
-        self.exitcode = None
-        self.cause = cause
-
-    def __reduce__(self):  # it crosses process boundaries as a Ray task error
-        return type(self), (self.worker, self.env_ids, self.cause)
-
-
-class EnvActor:
-    """The body of one Ray actor: a node-local ShmVectorEnv over one block of envs.
-
-    Ray runs one method at a time (the actor's default concurrency of 1), so the
-    ring views that ``copy=False`` returns are serialized into the object store
-    before the next call can overwrite them.
-
-    An actor that Ray restarted (``max_restarts``) knows it: until its envs are
-    reset, ``step`` resets them instead and reports them truncated, with
-    ``infos["actor_restarted"]``, so a restart is never mistaken for a step.
-    """
-
-    def __init__(
-        self,
-        index: int,
-        env_ids: range,
-        env_fns: list[Callable[[], gym.Env]],
-        autoreset_mode: AutoresetMode,
-        vector_kwargs: dict[str, Any],
-    ) -> None:
-        self.index = index
-        self.env_ids = env_ids
-        self.envs = ShmVectorEnv(env_fns, autoreset_mode=autoreset_mode, **vector_kwargs)
-        with warnings.catch_warnings():  # Ray's own use of a deprecated property
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
-
-    def describe(self) -> dict[str, Any]:
-        """Spaces, metadata and where the actor runs."""
-        context = ray.get_runtime_context()
-        return {
-            "single_observation_space": self.envs.single_observation_space,
-            "single_action_space": self.envs.single_action_space,
-            "metadata": self.envs.metadata,
-            "render_mode": self.envs.render_mode,
-            "node_id": context.get_node_id(),
-            "pid": os.getpid(),
-        }
-
-    def reset(self, seeds: list, options: Any, reset_mask: np.ndarray | None) -> tuple:
-        """``ShmVectorEnv.reset`` of the block: ``(obs, infos)``."""
-        self.restarted = False
-        return self._guard(self.envs.reset, seed=seeds, options=options, reset_mask=reset_mask)
-
-    def step(self, actions: Any) -> tuple:
-        """``ShmVectorEnv.step`` of the block (``recover()`` after a restart)."""
-        if self.restarted:
-            return self.recover()
-        return self._guard(self.envs.step, actions)
-
-    def recover(self) -> tuple:
-        """After a restart: resets the envs and reports them truncated, as a step batch."""
-        obs, infos = self.reset(None, None, None)
-        n = len(self.env_ids)
-        rows = _Rows(n)
-        for row in range(n):
-            infos = rows._add_info(infos, {ACTOR_RESTARTED: True}, row)
-        return obs, np.zeros(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), infos
-
-    def call(self, name: str, args: tuple, kwargs: dict) -> tuple:
-        return self._guard(self.envs.call, name, *args, **kwargs)
-
-    def set_attr(self, name: str, values: list) -> None:
-        self._guard(self.envs.set_attr, name, values)
-
-    def stats(self) -> dict[str, Any]:
-        return self.envs.stats()
-
-    def close(self) -> None:
-        """Closes the envs and ends the actor (Ray does not restart it)."""
-        self.envs.close()
-        ray.actor.exit_actor()
-
-    def _guard(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Runs ``method``; a dead worker of the block becomes a (picklable) ActorDiedError."""
-        try:
-            return method(*args, **kwargs)
-        except WorkerDiedError as exc:
-            raise ActorDiedError(self.index, self.env_ids, str(exc)) from None
-
-
-RemoteEnvActor = ray.remote(EnvActor)
-
-
-class RayVectorEnv(VectorEnv):
+class RayVectorEnv(VectorEnvBase):
     """A gymnasium VectorEnv whose envs live in Ray actors, a ShmVectorEnv in each.
 
     Env ``i`` belongs to one actor's contiguous block; ``reset(seed=s)`` gives it
@@ -220,9 +104,8 @@ class RayVectorEnv(VectorEnv):
         batch_size: with ``batch_size < num_envs``, the async mode: ``recv()`` returns
             the first ``batch_size // envs_per_actor`` actor batches that are ready.
             It must be a multiple of the (then equal) block size.
-        group_size: envs ``g*k .. g*k+g-1`` form group ``k`` across actors, as in
-            ``ShmVectorEnv``: ``reset(seed=s)`` gives them all seed ``s + k``, and list
-            seeds/options may have one entry per group.
+        group_size: envs ``g*k .. g*k+g-1`` share seed ``s + k`` across actors, as in
+            ``ShmVectorEnv``.
         on_actor_death: ``"raise"``: a dead actor is an ``ActorDiedError`` naming it and
             its envs. ``"restart"``: Ray restarts it (up to ``max_restarts`` times), its
             envs are created and reset again and report ``truncated`` with
@@ -235,9 +118,8 @@ class RayVectorEnv(VectorEnv):
         node_ids: pin actor ``k`` to node ``node_ids[k]`` (hex ids, as in
             ``ray.nodes()``) with ``NodeAffinitySchedulingStrategy``; no placement group.
         actor_options: extra ``ActorClass.options(...)``, e.g. ``{"resources":
-            {"env_node": 1}}`` to schedule only on nodes started with that custom
-            resource (``ray start --resources='{"env_node": 8}'``; the placement
-            group's bundles ask for it too), or ``{"runtime_env": ...}``.
+            {"env_node": 1}}`` (only nodes with that custom resource; the placement
+            group's bundles ask for it too) or ``{"runtime_env": ...}``.
         vector_kwargs: keyword arguments of each actor's ``ShmVectorEnv``
             (``num_workers``, ``context``, ``spin_ns``...). Default ``copy=False``: the
             actor's results are copied into the object store anyway.
@@ -286,23 +168,19 @@ class RayVectorEnv(VectorEnv):
         self.group_size = group_size
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.on_actor_death = on_actor_death
-        self.actor_env_ids = _split_blocks(self.num_envs, num_actors)
+        self.actor_env_ids = split_blocks(self.num_envs, num_actors)
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
-        self._batch_actors = self._check_batch_size()
-        self.actor_restarts = [0] * num_actors
+        self._batch_actors = _actor_batches(self.batch_size, self.actor_env_ids)
         self._state = AsyncState.DEFAULT
         self._refs: dict[int, Any] = {}  # sync mode: actor -> its pending call
         self._reset_args: dict[int, tuple] = {}
         self._pending: dict[Any, tuple[int, str]] = {}  # async mode: ref -> (actor, kind)
-        self._stale: list = []  # refs of a call whose wait timed out
         self._sync_reset_pending = False
         self._last_env_ids: np.ndarray | None = None
         self._was_reset = False
         self._stats_steps = 0
         self._stats_episodes = 0
         self._stats_started = time.perf_counter()
-        self.placement_group = None
-        self.actors: list = []
 
         vector_kwargs = {
             "copy": False,
@@ -312,17 +190,11 @@ class RayVectorEnv(VectorEnv):
         options: dict[str, Any] = {"num_cpus": num_cpus_per_actor, **(actor_options or {})}
         if on_actor_death == "restart":
             options.update(max_restarts=max_restarts, max_task_retries=0)
-        try:
-            bundle = {"CPU": num_cpus_per_actor, **options.get("resources", {})}
-            strategies = self._schedule(placement_strategy, node_ids, bundle)
-            for k, rows in enumerate(self.actor_env_ids):
-                actor = RemoteEnvActor.options(scheduling_strategy=strategies[k], **options)
-                block = env_fns[rows.start : rows.stop]
-                self.actors.append(actor.remote(k, rows, block, self.autoreset_mode, vector_kwargs))
-            described = self._started()
-        except BaseException:
-            self._release()
-            raise
+        self._group = ActorGroup(
+            env_fns, self.actor_env_ids, self.autoreset_mode, vector_kwargs, options,
+            on_actor_death, placement_strategy, node_ids,
+        )  # fmt: skip
+        described = self._group.described
         first = described[0]
         self.single_observation_space = first["single_observation_space"]
         self.single_action_space = first["single_action_space"]
@@ -335,63 +207,22 @@ class RayVectorEnv(VectorEnv):
         self._actor_obs: list[Any] = [None] * num_actors  # each actor's last obs
         self.closed = False
 
+    @property
+    def actors(self) -> list:
+        """The Ray actor handles, one per block."""
+        return self._group.actors
+
+    @property
+    def placement_group(self):
+        """The actors' placement group, or None."""
+        return self._group.placement_group
+
+    @property
+    def actor_restarts(self) -> list[int]:
+        """How many times each actor was restarted."""
+        return self._group.restarts
+
     # ------------------------------------------------------------------ setup
-
-    def _check_batch_size(self) -> int:
-        """The number of actor batches one ``recv()`` returns."""
-        if self.batch_size == self.num_envs:
-            return self.num_actors
-        if not 1 <= self.batch_size <= self.num_envs:
-            raise ValueError(
-                f"batch_size must be between 1 and num_envs={self.num_envs}, got {self.batch_size}"
-            )
-        sizes = {len(rows) for rows in self.actor_env_ids}
-        block = len(self.actor_env_ids[0])
-        if len(sizes) != 1 or self.batch_size % block:
-            raise ValueError(
-                f"batch_size < num_envs needs equal actor blocks and a multiple of them: "
-                f"blocks of {sorted(sizes)} envs, batch_size={self.batch_size}"
-            )
-        return self.batch_size // block
-
-    def _schedule(self, strategy: str | None, node_ids, bundle: dict[str, float]) -> list:
-        """One Ray scheduling strategy per actor; ``bundle``: the resources of one."""
-        if node_ids is not None:
-            return [NodeAffinitySchedulingStrategy(node, soft=False) for node in node_ids]
-        if strategy is None:
-            return ["DEFAULT"] * self.num_actors
-        bundles = [bundle] * self.num_actors
-        self.placement_group = placement_group(bundles, strategy=strategy)
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=STARTUP_TIMEOUT_S)
-        if not ready:
-            raise RuntimeError(
-                f"the placement group ({self.num_actors} bundles of {bundles[0]}, {strategy}) "
-                f"could not be placed within {STARTUP_TIMEOUT_S:.0f} s; cluster resources: "
-                f"{ray.cluster_resources()}"
-            )
-        return [
-            PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=k)
-            for k in range(self.num_actors)
-        ]
-
-    def _started(self) -> list[dict[str, Any]]:
-        """Waits for every actor's envs; their descriptions, after checking the spaces."""
-        described = self._gather(
-            {k: a.describe.remote() for k, a in enumerate(self.actors)}, STARTUP_TIMEOUT_S
-        )
-        first = described[0]
-        for k, other in described.items():
-            for name in ("single_observation_space", "single_action_space"):
-                if other[name] != first[name]:
-                    raise ValueError(
-                        f"actor {k} has {name} {other[name]}, actor 0 has {first[name]}; "
-                        "every env must share both spaces"
-                    )
-            logger.info(
-                "Ray actor %d on node %s runs envs %d..%d", k, other["node_id"],
-                self.actor_env_ids[k].start, self.actor_env_ids[k].stop - 1,
-            )  # fmt: skip
-        return [described[k] for k in range(self.num_actors)]
 
     @property
     def is_async(self) -> bool:
@@ -400,12 +231,7 @@ class RayVectorEnv(VectorEnv):
 
     # ------------------------------------------------------------------ reset
 
-    def reset_async(
-        self,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-        reset_mask: np.ndarray | None = None,
-    ) -> None:
+    def reset_async(self, seed: Seeds = None, options: Options = None, reset_mask=None) -> None:
         """Sends a reset to every actor whose block has an env to reset.
 
         ``seed``: an int (env ``i`` gets ``seed + i``), a list with one seed per env,
@@ -417,13 +243,10 @@ class RayVectorEnv(VectorEnv):
             raise RuntimeError(
                 "with batch_size < num_envs, reset with async_reset() and read with recv()"
             )
-        if isinstance(options, dict) and "reset_mask" in options:
-            if reset_mask is not None:
-                raise ValueError("reset_mask given twice: in options and as an argument")
-            options = dict(options)
-            reset_mask = options.pop("reset_mask")
+        options = dict(options) if isinstance(options, dict) else options
+        reset_mask = take_reset_mask(options, reset_mask)
         if reset_mask is not None:
-            reset_mask = _check_reset_mask(reset_mask, self.num_envs)
+            reset_mask = check_reset_mask(reset_mask, self.num_envs)
         seeds, per_actor = self._expand_seeds(seed), self._split_options(options)
         self._reset_args = {}
         for k, rows in enumerate(self.actor_env_ids):
@@ -439,29 +262,9 @@ class RayVectorEnv(VectorEnv):
         results = self._finish(timeout, self._redo_reset)
         for k, (obs, _) in results.items():
             self._actor_obs[k] = obs
-        infos = self._merge_infos([(k, results[k][1]) for k in sorted(results)], self.num_envs)
+        parts = [(k, results[k][1]) for k in sorted(results)]
+        infos = _merge_infos(parts, self.actor_env_ids, self.num_envs)
         return self._join_obs(self._actor_obs), infos
-
-    def reset(
-        self,
-        *,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-        reset_mask: np.ndarray | None = None,
-    ) -> tuple[Any, dict[str, Any]]:
-        """Resets the envs; see ``gymnasium.vector.VectorEnv.reset`` and ``reset_async``.
-
-        In async mode this is ``async_reset`` then ``recv``: it returns the first
-        ``batch_size`` envs to finish resetting.
-        """
-        if self.is_async:
-            if reset_mask is not None:
-                raise ValueError("reset_mask needs batch_size == num_envs")
-            self.async_reset(seed=seed, options=options)
-            obs, _, _, _, infos = self.recv()
-            return obs, infos
-        self.reset_async(seed=seed, options=options, reset_mask=reset_mask)
-        return self.reset_wait()
 
     # ------------------------------------------------------------------- step
 
@@ -495,12 +298,7 @@ class RayVectorEnv(VectorEnv):
 
     # ------------------------------------------------------------------ async
 
-    def async_reset(
-        self,
-        seed: int | list[int | None] | None = None,
-        options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-        env_ids: Any = None,
-    ) -> None:
+    def async_reset(self, seed: Seeds = None, options: Options = None, env_ids=None) -> None:
         """Resets envs without waiting; ``recv()`` returns the results.
 
         ``seed`` and ``options`` are expanded over all envs as in ``reset``. In async
@@ -516,7 +314,7 @@ class RayVectorEnv(VectorEnv):
             return
         seeds, per_actor = self._expand_seeds(seed), self._split_options(options)
         ids = np.arange(self.num_envs) if env_ids is None else env_ids
-        for k in self._idle_actors(ids, "async_reset"):
+        for k in _idle_actors(ids, self.actor_env_ids, self._busy(), "async_reset"):
             rows = self.actor_env_ids[k]
             args = (seeds[rows.start : rows.stop], per_actor[k], None)
             self._pending[self.actors[k].reset.remote(*args)] = (k, "reset")
@@ -537,7 +335,7 @@ class RayVectorEnv(VectorEnv):
             if self._last_env_ids is None:
                 raise ValueError("send() needs env_ids: no recv() has returned any yet")
             env_ids = self._last_env_ids
-        ids = _check_env_ids(env_ids, self.num_envs)
+        ids = check_env_ids(env_ids, self.num_envs)
         _check_rows(self.single_action_space, actions, len(ids))
         if not self.is_async:
             if sorted(ids.tolist()) != list(range(self.num_envs)):
@@ -551,7 +349,7 @@ class RayVectorEnv(VectorEnv):
             raise RuntimeError("send() before async_reset(): reset the envs first")
         position = np.empty(self.num_envs, dtype=np.int64)
         position[ids] = np.arange(len(ids))
-        for k in self._idle_actors(ids, "send"):
+        for k in _idle_actors(ids, self.actor_env_ids, self._busy(), "send"):
             rows = self.actor_env_ids[k]
             block_actions = _take_rows(self.single_action_space, actions, position[rows])
             self._pending[self.actors[k].step.remote(block_actions)] = (k, "step")
@@ -592,10 +390,10 @@ class RayVectorEnv(VectorEnv):
     def _async_result(self, k: int, kind: str, ref) -> tuple:
         """Actor ``k``'s batch from ``ref`` (of a ``"reset"`` or a ``"step"``)."""
         try:
-            result = self._get(k, ref)
+            result = self._group.get(k, ref)
         except (RayActorError, ActorDiedError) as exc:
             if self.on_actor_death != "restart":
-                raise self._died(k, exc) from exc
+                raise self._group.died(k, exc) from exc
             return self._recover(k, exc)
         if kind == "reset":
             obs, infos = result
@@ -604,65 +402,28 @@ class RayVectorEnv(VectorEnv):
         return result
 
     def _recv_sync(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict]:
-        return recv_whole_batch(self, timeout)
-
-    def _idle_actors(self, env_ids: Any, name: str) -> list[int]:
-        """The actors whose whole blocks ``env_ids`` names; each must be idle."""
-        ids = _check_env_ids(env_ids, self.num_envs)
-        named = np.zeros(self.num_envs, dtype=bool)
-        named[ids] = True
-        busy = {k for k, _ in self._pending.values()}
-        actors = []
-        for k, rows in enumerate(self.actor_env_ids):
-            block = named[rows.start : rows.stop]
-            if not block.any():
-                continue
-            if not block.all():
-                raise ValueError(
-                    f"{name}() steps whole actor blocks: actor {k} owns envs "
-                    f"{rows.start}..{rows.stop - 1}, env_ids names only "
-                    f"{(np.flatnonzero(block) + rows.start).tolist()}"
-                )
-            if k in busy:
-                raise ValueError(
-                    f"envs {rows.start}..{rows.stop - 1} (actor {k}) are not awaiting an "
-                    "action: their previous call is still running (recv() its result first)"
-                )
-            actors.append(k)
-        return actors
+        pending, self._sync_reset_pending = self._sync_reset_pending, False
+        return recv_whole_batch(self, pending, timeout)
 
     # ------------------------------------------------------------- call & co
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Calls ``name`` (or reads it, if not callable) in every env; one result each."""
         self._assert_idle("call")
-        results = self._gather({k: a.call.remote(name, args, kwargs) for k, a in self._each()})
+        calls = {k: a.call.remote(name, args, kwargs) for k, a in self._each()}
+        results = self._group.gather(calls)
         return tuple(r for k in range(self.num_actors) for r in results[k])
-
-    def get_attr(self, name: str) -> tuple[Any, ...]:
-        """The attribute ``name`` of every env (callables are called, as in gymnasium)."""
-        return self.call(name)
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Sets ``name`` in every env: one value each, or the same value for all."""
         self._assert_idle("set_attr")
-        if not isinstance(values, (list, tuple)):
-            values = [values] * self.num_envs
-        if len(values) != self.num_envs:
-            raise ValueError(
-                "Values must be a list or tuple with length equal to the number of "
-                f"environments. Got `{len(values)}` values for {self.num_envs} environments."
-            )
-        self._gather(
+        values = self._attr_values(values)
+        self._group.gather(
             {
                 k: a.set_attr.remote(name, list(values[slice(*self._span(k))]))
                 for k, a in self._each()
             }
         )
-
-    def render(self) -> tuple[Any, ...] | None:
-        """Each env's ``render()``."""
-        return self.call("render")
 
     def stats(self) -> dict[str, Any]:
         """Steps, steps/s and episodes since construction, restarts per actor, and each
@@ -676,7 +437,7 @@ class RayVectorEnv(VectorEnv):
             "actor_restarts": list(self.actor_restarts),
         }
         if self._state == AsyncState.DEFAULT and not self._pending:
-            actor_stats = self._gather({k: a.stats.remote() for k, a in self._each()})
+            actor_stats = self._group.gather({k: a.stats.remote() for k, a in self._each()})
             stats["actors"] = [actor_stats[k] for k in range(self.num_actors)]
         return stats
 
@@ -685,34 +446,14 @@ class RayVectorEnv(VectorEnv):
     def close_extras(self, timeout: float | None = None, terminate: bool = False) -> None:
         """Closes the actors' envs (``timeout`` s, default 5), then kills the actors and
         removes the placement group."""
-        pending = [*self._refs.values(), *self._pending, *self._stale]
+        pending = [*self._refs.values(), *self._pending, *self._group.stale]
         grace = CLOSE_GRACE_S if timeout is None else timeout
         if not terminate:
             closing = [a.close.remote() for a in self.actors]
             ray.wait(pending + closing, num_returns=len(pending) + len(closing), timeout=grace)
-        self._refs, self._pending, self._stale = {}, {}, []
+        self._refs, self._pending, self._group.stale = {}, {}, []
         self._state = AsyncState.DEFAULT
-        self._release()
-
-    def _release(self) -> None:
-        for actor in self.actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone, or Ray shut down
-                pass
-        self.actors = []
-        if self.placement_group is not None:
-            try:
-                remove_placement_group(self.placement_group)
-            except Exception:  # noqa: BLE001
-                pass
-            self.placement_group = None
-
-    def __enter__(self) -> RayVectorEnv:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
+        self._group.release()
 
     def __del__(self) -> None:
         if not getattr(self, "closed", True) and ray.is_initialized():
@@ -723,36 +464,18 @@ class RayVectorEnv(VectorEnv):
     def _each(self):
         return enumerate(self.actors)
 
+    def _busy(self) -> set[int]:
+        return {k for k, _ in self._pending.values()}
+
     def _span(self, k: int) -> tuple[int, int]:
         return self.actor_env_ids[k].start, self.actor_env_ids[k].stop
 
-    def _assert_is_running(self) -> None:
-        if self.closed:
-            raise ClosedEnvironmentError(
-                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`."
-            )
-
     def _assert_idle(self, name: str) -> None:
         self._assert_is_running()
-        if self._state != AsyncState.DEFAULT:
-            raise AlreadyPendingCallError(
-                f"Calling `{name}` while waiting for a pending call to "
-                f"`{self._state.value}` to complete.",
-                str(self._state.value),
-            )
-        if self._stale:  # late results of a timed-out wait: drop them
-            ray.wait(self._stale, num_returns=len(self._stale))
-            self._stale = []
-
-    def _assert_waiting(self, state: AsyncState, name: str, sender: str) -> None:
-        self._assert_is_running()
-        if self._state != state:
-            raise NoAsyncCallError(
-                f"Calling `{name}` without any prior call to `{sender}`.", state.value
-            )
-
-    def _expand_seeds(self, seed: int | list[int | None] | None) -> list:
-        return expand_seeds(seed, self.num_envs, self.group_size)
+        super()._assert_idle(name)
+        if self._group.stale:  # late results of a timed-out wait: drop them
+            ray.wait(self._group.stale, num_returns=len(self._group.stale))
+            self._group.stale = []
 
     def _split_options(self, options: Any) -> list:
         """Each actor's options: the same dict, or its slice of the per-env list."""
@@ -765,99 +488,19 @@ class RayVectorEnv(VectorEnv):
         """Ends the pending sync-mode call: each actor's result, by actor."""
         refs, self._refs = self._refs, {}
         try:
-            return self._gather(refs, timeout, recover)
+            return self._group.gather(refs, timeout, recover)
         finally:
             self._state = AsyncState.DEFAULT
 
-    def _gather(
-        self,
-        refs: dict[int, Any],
-        timeout: float | None = None,
-        recover: Callable[[int, BaseException], Any] | None = None,
-    ) -> dict[int, Any]:
-        """``ray.get`` of one call per actor; a failure is attributed to its actor.
-
-        ``recover(k, error)`` gives actor ``k``'s result after its death, under the
-        restart policy; without it a death is an ``ActorDiedError``.
-        """
-        try:
-            return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout)))
-        except GetTimeoutError:
-            done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
-            late = [k for k, ref in refs.items() if ref not in set(done)]
-            self._stale = list(refs.values())
-            raise multiprocessing.TimeoutError(
-                f"The call has timed out after {timeout} second(s). Not finished: "
-                + ", ".join(f"actor {k} (envs {self._describe_rows(k)})" for k in late)
-            ) from None
-        except Exception:  # noqa: BLE001 - attributed to its actor below
-            pass
-        results = {}
-        for k, ref in refs.items():
-            try:
-                results[k] = self._get(k, ref)
-            except (RayActorError, ActorDiedError) as exc:
-                if recover is None or self.on_actor_death != "restart":
-                    raise self._died(k, exc) from exc
-                results[k] = recover(k, exc)
-        return results
-
-    def _get(self, k: int, ref) -> Any:
-        """``ray.get(ref)``; an env's own exception gets a note naming the actor."""
-        try:
-            return ray.get(ref)
-        except (RayActorError, ActorDiedError):
-            raise
-        except Exception as exc:
-            add_note(exc, f"in shmvec Ray actor {k} (envs {self._describe_rows(k)})")
-            raise
-
-    def _describe_rows(self, k: int) -> str:
-        rows = self.actor_env_ids[k]
-        return f"{rows.start}..{rows.stop - 1}"
-
-    def _died(self, k: int, exc: BaseException) -> ActorDiedError:
-        if isinstance(exc, ActorDiedError):
-            return ActorDiedError(k, self.actor_env_ids[k], exc.cause)
-        cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        if self.on_actor_death == "restart":
-            cause += f" (restarted {self.actor_restarts[k]} time(s) before)"
-        error = ActorDiedError(k, self.actor_env_ids[k], f"{type(exc).__name__}: {cause}")
-        logger.error("%s", error)
-        return error
-
-    def _restart(self, k: int, exc: BaseException) -> None:
-        """Actor ``k`` died under the restart policy; Ray restarts it, or, if a worker
-        inside it died, it is killed for Ray to restart."""
-        logger.error(
-            "shmvec Ray actor %d (envs %s) died (%s): restarting it",
-            k, self._describe_rows(k), type(exc).__name__,
-        )  # fmt: skip
-        if isinstance(exc, ActorDiedError):  # the actor lives, its ShmVectorEnv does not
-            ray.kill(self.actors[k], no_restart=False)
-
     def _redo_reset(self, k: int, exc: BaseException) -> tuple:
         """A reset after actor ``k`` died: the same reset on the restarted actor."""
-        self._restart(k, exc)
-        return self._call_restarted(k, "reset", *self._reset_args[k])
+        self._group.restart(k, exc)
+        return self._group.call_restarted(k, "reset", *self._reset_args[k])
 
     def _recover(self, k: int, exc: BaseException) -> tuple:
         """A step after actor ``k`` died: its envs, new, report truncated."""
-        self._restart(k, exc)
-        return self._call_restarted(k, "recover")
-
-    def _call_restarted(self, k: int, method: str, *args: Any) -> Any:
-        """Calls ``method`` of actor ``k`` once Ray has restarted it. A call can land
-        while Ray still reconnects to the new actor (``ActorUnavailableError``): it is
-        retried for up to ``RESTART_TIMEOUT_S``; any other failure is an ActorDiedError."""
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
-        while True:
-            try:
-                return self._get(k, getattr(self.actors[k], method).remote(*args))
-            except (RayActorError, ActorDiedError) as exc:
-                if not isinstance(exc, _UNAVAILABLE) or time.monotonic() > deadline:
-                    raise self._died(k, exc) from exc
-                time.sleep(RESTART_POLL_S)
+        self._group.restart(k, exc)
+        return self._group.call_restarted(k, "recover")
 
     def _join(self, batches: list[tuple], actors: list[int], rows: int) -> tuple:
         """Actor batches, in the order given, as one batch of ``rows`` rows."""
@@ -865,7 +508,8 @@ class RayVectorEnv(VectorEnv):
         rewards, terminations, truncations = (
             np.concatenate([b[i] for b in batches]) for i in (1, 2, 3)
         )
-        infos = self._merge_infos([(k, b[4]) for k, b in zip(actors, batches)], rows, by_env=False)
+        parts = [(k, b[4]) for k, b in zip(actors, batches)]
+        infos = _merge_infos(parts, self.actor_env_ids, rows, by_env=False)
         for k, batch in zip(actors, batches):
             self.actor_restarts[k] += ACTOR_RESTARTED in batch[4]
         self._stats_steps += len(rewards)
@@ -875,32 +519,47 @@ class RayVectorEnv(VectorEnv):
     def _join_obs(self, batches: list) -> Any:
         return _concatenate_batches(self.single_observation_space, batches)
 
-    def _merge_infos(
-        self, parts: list[tuple[int, dict]], rows: int, by_env: bool = True
-    ) -> dict[str, Any]:
-        """Merges the actors' batched infos with ``VectorEnv._add_info``.
 
-        ``parts`` are ``(actor, infos)``; an actor's rows land at its env ids
-        (``by_env``) or one after another in the order given.
-        """
-        target = _Rows(rows)
-        infos: dict[str, Any] = {}
-        offset = 0
-        for k, block in parts:
-            first = self.actor_env_ids[k].start if by_env else offset
-            offset += len(self.actor_env_ids[k])
-            for row in _rows_with_info(block):
-                infos = target._add_info(infos, _unbatch_info(block, row), first + row)
-        return infos
+def _actor_batches(batch_size: int, blocks: list[range]) -> int:
+    """The number of actor batches one ``recv()`` returns."""
+    num_envs = blocks[-1].stop
+    if batch_size == num_envs:
+        return len(blocks)
+    if not 1 <= batch_size <= num_envs:
+        raise ValueError(f"batch_size must be between 1 and num_envs={num_envs}, got {batch_size}")
+    sizes = {len(rows) for rows in blocks}
+    block = len(blocks[0])
+    if len(sizes) != 1 or batch_size % block:
+        raise ValueError(
+            f"batch_size < num_envs needs equal actor blocks and a multiple of them: "
+            f"blocks of {sorted(sizes)} envs, batch_size={batch_size}"
+        )
+    return batch_size // block
 
 
-class _Rows:
-    """``VectorEnv._add_info`` over a batch of ``num_envs`` rows."""
-
-    _add_info = VectorEnv._add_info
-
-    def __init__(self, num_envs: int) -> None:
-        self.num_envs = num_envs
+def _idle_actors(env_ids: Any, blocks: list[range], busy: set, name: str) -> list[int]:
+    """The actors whose whole blocks ``env_ids`` names; none may be ``busy``."""
+    ids = check_env_ids(env_ids, blocks[-1].stop)
+    named = np.zeros(blocks[-1].stop, dtype=bool)
+    named[ids] = True
+    actors = []
+    for k, rows in enumerate(blocks):
+        block = named[rows.start : rows.stop]
+        if not block.any():
+            continue
+        if not block.all():
+            raise ValueError(
+                f"{name}() steps whole actor blocks: actor {k} owns envs "
+                f"{rows.start}..{rows.stop - 1}, env_ids names only "
+                f"{(np.flatnonzero(block) + rows.start).tolist()}"
+            )
+        if k in busy:
+            raise ValueError(
+                f"envs {rows.start}..{rows.stop - 1} (actor {k}) are not awaiting an "
+                "action: their previous call is still running (recv() its result first)"
+            )
+        actors.append(k)
+    return actors
 
 
 def _env_fns(
@@ -925,42 +584,6 @@ def _env_fns(
             f"envs_per_actor={envs_per_actor} x num_actors={num_actors} != {len(env_fns)} env_fns"
         )
     return env_fns
-
-
-def _split_blocks(num_envs: int, num_parts: int) -> list[range]:
-    """Contiguous, as-even-as-possible blocks of env ids, the larger ones first."""
-    base, extra = divmod(num_envs, num_parts)
-    starts = [k * base + min(k, extra) for k in range(num_parts + 1)]
-    return [range(a, b) for a, b in zip(starts, starts[1:])]
-
-
-def _check_env_ids(env_ids: Any, num_envs: int) -> np.ndarray:
-    ids = np.asarray(env_ids)
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise TypeError(f"env_ids must be a 1-D array of ints, got {env_ids!r}")
-    ids = ids.astype(np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_envs):
-        bad = ids[(ids < 0) | (ids >= num_envs)]
-        raise ValueError(f"env_ids {bad.tolist()} out of range [0, {num_envs})")
-    if len(np.unique(ids)) != len(ids):
-        raise ValueError(f"env_ids {ids.tolist()} name an env more than once")
-    return ids
-
-
-def _check_reset_mask(mask: Any, num_envs: int) -> np.ndarray:
-    if not isinstance(mask, np.ndarray):
-        raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
-    if mask.shape != (num_envs,) or mask.dtype != np.bool_:
-        raise ValueError(
-            f"`options['reset_mask']` must be a bool array of shape ({num_envs},), got "
-            f"{mask.dtype} {mask.shape}"
-        )
-    if not mask.any():
-        raise ValueError(
-            "`options['reset_mask']` must contain a boolean array with at least one True "
-            f"value, got reset_mask={mask}"
-        )
-    return mask
 
 
 _FIXED_SIZE = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
@@ -1020,27 +643,23 @@ def _concatenate_batches(space: gym.Space, batches: list) -> Any:
     return tuple(value for batch in batches for value in batch)
 
 
-def _rows_with_info(infos: dict) -> list[int]:
-    """The rows of a batched info dict that have any key."""
-    masks = [infos[f"_{key}"] for key in infos if f"_{key}" in infos]
-    if not masks:
-        return []
-    return np.flatnonzero(np.logical_or.reduce(masks)).tolist()
+def _merge_infos(
+    parts: list[tuple[int, dict]], blocks: list[range], rows: int, by_env: bool = True
+) -> dict[str, Any]:
+    """Merges the actors' batched infos with ``VectorEnv._add_info``.
+
+    ``parts`` are ``(actor, infos)``; an actor's rows land at its env ids
+    (``by_env``) or one after another in the order given.
+    """
+    items = []
+    offset = 0
+    for k, block in parts:
+        first = blocks[k].start if by_env else offset
+        offset += len(blocks[k])
+        items += [(first + row, [info]) for row, [info] in _items(block)]
+    return batch_infos(items, rows)
 
 
-def _unbatch_info(infos: dict, row: int) -> dict:
-    """Row ``row``'s info from a batched info dict: the inverse of ``_add_info``."""
-    info = {}
-    for key, value in infos.items():
-        mask = infos.get(f"_{key}")
-        if mask is None or not mask[row]:
-            continue
-        if isinstance(value, dict):
-            info[key] = _unbatch_info(value, row)
-        elif value.dtype == np.bool_ and value.ndim == 1:
-            # _add_info makes a bool array only from a Python bool (np.bool_ is not a
-            # np.number: it gets an object array); give it back as one.
-            info[key] = bool(value[row])
-        else:
-            info[key] = value[row]
-    return info
+def _items(infos: dict) -> list[tuple[int, list[dict]]]:
+    """A batched info dict as per-row dicts ``[(row, [info])]`` for ``batch_infos``."""
+    return [(row, [unbatch_info(infos, row)]) for row in rows_with_info(infos)]

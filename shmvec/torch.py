@@ -42,7 +42,6 @@ import numpy as np
 import torch
 from gymnasium.vector import VectorWrapper
 
-from shmvec.layout import ArrayCodec
 from shmvec.vector_env import ShmVectorEnv
 
 
@@ -68,8 +67,9 @@ class TorchVectorEnv(VectorWrapper):
         self.shm = shm
         self.device = torch.device(device)
         self.reward_dtype = reward_dtype
-        self._single_action_column = isinstance(shm._action_codec, ArrayCodec)
-        self._slab = torch.from_numpy(shm._action_views[0]) if self._single_action_column else None
+        self._handoff = shm.handoff()
+        slab = self._handoff.action_slab()
+        self._slab = None if slab is None else torch.from_numpy(slab)
         self._registered = False
         if self.device.type == "cuda":
             self._init_cuda()
@@ -77,15 +77,14 @@ class TorchVectorEnv(VectorWrapper):
     def _init_cuda(self) -> None:
         shm = self.shm
         shm.copy = False
-        segment = shm._segment
-        torch.cuda.check_error(
-            torch.cuda.cudart().cudaHostRegister(segment.address, segment.size, 0)
-        )
+        handoff = self._handoff
+        address, size = handoff.region
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, size, 0))
         self._registered = True
         self._stream = torch.cuda.Stream(self.device)
-        self._events = [torch.cuda.Event() for _ in range(shm._layout.num_slots)]
-        self._pending = [False] * shm._layout.num_slots
-        shm._before_slot_reuse = self._wait_for_copy
+        self._events = [torch.cuda.Event() for _ in range(handoff.num_slots)]
+        self._pending = [False] * handoff.num_slots
+        handoff.on_slot_reuse(self._wait_for_copy)
 
     def _wait_for_copy(self, slot: int) -> None:
         """The workers may write ``slot`` only once its device copy is done."""
@@ -140,7 +139,7 @@ class TorchVectorEnv(VectorWrapper):
         Only when this bridge wraps the ShmVectorEnv itself: vector wrappers in
         between must see every step.
         """
-        direct = self.env is self.shm and self._single_action_column
+        direct = self.env is self.shm and self._slab is not None
         if not (direct and isinstance(actions, torch.Tensor)):
             return False
         slab = self._slab
@@ -166,8 +165,7 @@ class TorchVectorEnv(VectorWrapper):
     def step(self, actions):
         """Steps with torch or numpy actions; returns tensors (infos stay numpy)."""
         if self._write_actions(actions):
-            self.shm._step_async(None, write=False)
-            obs, rewards, terminations, truncations, infos = self.shm.step_wait()
+            obs, rewards, terminations, truncations, infos = self._handoff.step_written()
         else:
             obs, rewards, terminations, truncations, infos = self.env.step(_to_numpy(actions))
         return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations), infos)
@@ -182,16 +180,13 @@ class TorchVectorEnv(VectorWrapper):
         return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations), infos)
 
     def _result_slot(self) -> int:
-        shm = self.shm
-        return shm._held_slot if shm.is_async else shm._slot
+        return self._handoff.last_slot
 
     def close(self, **kwargs: Any) -> None:
         """Waits for copies in flight, unregisters the pinned segment, closes."""
         if self._registered:
             torch.cuda.synchronize(self.device)
-            torch.cuda.check_error(
-                torch.cuda.cudart().cudaHostUnregister(self.shm._segment.address)
-            )
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._handoff.region[0]))
             self._registered = False
         super().close(**kwargs)
 

@@ -29,16 +29,18 @@ import numpy as np
 from shmvec import _core, _worker_loop
 from shmvec.errors import add_note
 from shmvec.layout import SegmentLayout, WordBytes, make_codec
-
-# Command kinds posted on the barrier.
-STEP = 1
-RESET = 2
-CALL = 3
-SET_ATTR = 4
-CLOSE = 5
-
-# How long a worker sleeps before it checks that the main process is alive.
-WATCHDOG_NS = 250_000_000
+from shmvec.protocol import (
+    AUTORESET_SAME_STEP,
+    BY_VALUE_BIT,
+    CALL,
+    CLOSE,
+    ENV_RESET,
+    RESET,
+    SET_ATTR,
+    SLOT_MASK,
+    STEP,
+    WATCHDOG_NS,
+)
 
 
 @dataclass
@@ -395,8 +397,8 @@ class Worker:
         return {} if self.obs_codec.pickled else self.slots[slot].obs
 
     def step(self, arg: int) -> dict:
-        slot = arg & 0x7FFFFFFF
-        by_value = bool(arg >> 31)  # per-env actions come pickled this round
+        slot = arg & SLOT_MASK
+        by_value = bool(arg & BY_VALUE_BIT)  # per-env actions come pickled this round
         self.stepper.actions_by_value = by_value
         action_views = self.action_views
         if by_value:
@@ -431,7 +433,7 @@ class Worker:
         obs, info = self.envs[i].reset()
         info = {**info, **why}
         merged = [info]
-        if self.spec.autoreset_mode == _worker_loop.MODE_SAME_STEP:
+        if self.spec.autoreset_mode == AUTORESET_SAME_STEP:
             merged = [{"final_obs": obs, "final_info": info}, info]
         return obs, 0.0, False, True, merged
 
@@ -440,10 +442,9 @@ class Worker:
         mode): a reset as asked, or a truncated episode, both with
         ``info["worker_restarted"]``."""
         why = {"worker_restarted": True}
-        if command == _worker_loop.ENV_RESET:
+        if command == ENV_RESET:
             seed, options = self._take_reset_args(self.rows.start + i)
-            obs, info = self.envs[i].reset(seed=seed, options=options)
-            return obs, 0.0, False, False, [{**info, **why}]
+            return _worker_loop.reset_result(self.envs[i], seed, options, why)
         return self.truncated_reset(i, why)
 
     def recover_async(self, plan: dict) -> None:
@@ -460,9 +461,7 @@ class Worker:
                 slot, row = self.ring.claim()
             views = self.slots[slot]
             obs_target = self._obs_target(slot)
-            self.obs_codec.write(obs_target, row, result[0])
-            views.rewards[row], views.terminations[row] = result[1], result[2]
-            views.truncations[row] = result[3]
+            self.stepper.write_row(obs_target, views, row, result)
             views.info_codes[row] = 0
             views.env_ids[row], views.messages[row] = env_id, 1
             self.autoreset[i] = 1 if result[3] else 0
@@ -493,18 +492,15 @@ class Worker:
         for i, row in enumerate(self.rows):
             try:
                 if kind == STEP:
-                    obs, _, _, _, merged = self.truncated_reset(i, why)
-                    views.rewards[row], views.terminations[row] = 0.0, 0
-                    views.truncations[row] = 1
+                    result = self.truncated_reset(i, why)
                     self.autoreset[i] = 1
                 elif kind == RESET:
-                    obs, info = self.envs[i].reset(seed=seeds[i], options=options[i])
-                    merged = [{**info, **why}]
+                    result = _worker_loop.reset_result(self.envs[i], seeds[i], options[i], why)
                 else:
                     self.envs[i].reset()
                     continue
-                self.obs_codec.write(obs_target, row, obs)
-                infos.append((row, merged))
+                self.stepper.write_row(obs_target, views, row, result)
+                infos.append((row, result[4]))
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
                 errors.append((row, exc, traceback.format_exc()))
         if kind not in (STEP, RESET):
@@ -534,11 +530,11 @@ class Worker:
             if mask is not None and not mask[i]:
                 continue
             try:
-                obs, info = env.reset(seed=seeds[i], options=options[i])
-                self.obs_codec.write(obs_target, row, obs)
+                result = _worker_loop.reset_result(env, seeds[i], options[i])
+                self.obs_codec.write(obs_target, row, result[0])
                 self.autoreset[i] = 0
-                if info:
-                    infos.append((row, [info]))
+                if result[4]:
+                    infos.append((row, result[4]))
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
                 errors.append((row, exc, traceback.format_exc()))
         return self._message(infos, errors, obs_target)

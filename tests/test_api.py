@@ -203,7 +203,7 @@ def test_daemon_flag_reaches_workers():
     for daemon in (True, False):
         envs = cartpole(2, daemon=daemon)
         try:
-            assert [p.daemon for p in envs._workers] == [daemon, daemon]
+            assert [p.daemon for p in envs._pool.workers] == [daemon, daemon]
             envs.reset(seed=0)
         finally:
             envs.close()
@@ -426,7 +426,7 @@ def test_closed_environment_errors():
 
 def test_close_stops_workers():
     envs = cartpole(4, num_workers=2)
-    workers = list(envs._workers)
+    workers = list(envs._pool.workers)
     assert len(workers) == 2 and all(p.is_alive() for p in workers)
     envs.close()
     assert all(p.exitcode is not None for p in workers)
@@ -453,7 +453,7 @@ def test_context_manager():
     with cartpole(2) as envs:
         assert isinstance(envs, ShmVectorEnv)
         envs.reset(seed=0)
-        workers = list(envs._workers)
+        workers = list(envs._pool.workers)
     assert envs.closed
     assert all(p.exitcode is not None for p in workers)
 
@@ -1213,7 +1213,7 @@ def test_step_in_main_steps_block_0_in_the_main_process():
     envs = ShmVectorEnv(fns, num_workers=2, step_in_main=True)
     try:
         assert envs.step_in_main and not envs.in_process
-        assert [p.pid == os.getpid() for p in envs._workers] == [True, False]
+        assert [p.pid == os.getpid() for p in envs._pool.workers] == [True, False]
         envs.reset(seed=0)
         envs.step_async(np.zeros(4, dtype=np.int64))
         pids = envs.step_wait()[4]["pid"]
@@ -1227,7 +1227,7 @@ def test_step_in_main_steps_block_0_in_the_main_process():
         assert envs.step(np.ones(4, dtype=np.int64))[0].shape == (4, 4)
         busy = envs.stats()["worker_busy_fraction"]
         assert len(busy) == 2 and busy[0] > 0
-        workers = list(envs._workers)
+        workers = list(envs._pool.workers)
     finally:
         envs.close()
     assert [p.exitcode for p in workers] == [0, 0]

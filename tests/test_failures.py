@@ -60,7 +60,7 @@ def wait_until_dead(pids, timeout=5.0) -> list[int]:
 def test_step_exception_is_reraised_with_env_and_traceback(context):
     envs = failing(context=context)
     try:
-        pids = [p.pid for p in envs._workers]
+        pids = [p.pid for p in envs._pool.workers]
         envs.reset(seed=0)
         actions = np.array([1, 1, 1, 1])
         envs.step(actions)
@@ -74,8 +74,8 @@ def test_step_exception_is_reraised_with_env_and_traceback(context):
         assert re.search(r"\benv 1\b", text), text
         assert "Traceback" in text and "raise EnvBoom" in text and "envs.py" in text, text
         # The worker survives; after reset() stepping works again.
-        assert all(p.is_alive() for p in envs._workers)
-        assert [p.pid for p in envs._workers] == pids
+        assert all(p.is_alive() for p in envs._pool.workers)
+        assert [p.pid for p in envs._pool.workers] == pids
         obs, _ = envs.reset(seed=0)
         assert obs.tolist() == [[0, 0]] * 4
         obs, rewards, *_ = envs.step(np.array([1, 2, 3, 0]))
@@ -184,7 +184,7 @@ def test_env_fn_exception_in_parent():
 def test_worker_sigkilled_during_step(context):
     fns = test_envs.indexed_fns(test_envs.SelfKillingEnv, 4, kill_index=2, kill_step=2)
     envs = ShmVectorEnv(fns, context=context, num_workers=2)
-    workers = list(envs._workers)
+    workers = list(envs._pool.workers)
     try:
         envs.reset(seed=0)
         envs.step(np.zeros(4, dtype=np.int64))
@@ -212,7 +212,7 @@ def test_worker_sigkilled_during_step(context):
 @pytest.mark.timeout(30)
 def test_worker_killed_from_outside_while_idle():
     envs = ShmVectorEnv(test_envs.gym_fns("CartPole-v1", 6), context="fork", num_workers=3)
-    workers = list(envs._workers)
+    workers = list(envs._pool.workers)
     try:
         envs.reset(seed=0)
         os.kill(workers[2].pid, signal.SIGKILL)
@@ -228,7 +228,7 @@ def test_worker_killed_from_outside_while_idle():
 def test_worker_killed_from_outside_during_slow_step():
     fns = test_envs.class_fns(test_envs.CountingEnv, 2, delay=1.0)
     envs = ShmVectorEnv(fns, context="fork", num_workers=2)
-    workers = list(envs._workers)
+    workers = list(envs._pool.workers)
     try:
         envs.reset(seed=0)
         envs.step_async(np.zeros(2, dtype=np.int64))
@@ -245,7 +245,7 @@ def test_worker_sigterm_is_reported():
     envs = ShmVectorEnv(test_envs.gym_fns("CartPole-v1", 2), context="fork", num_workers=2)
     try:
         envs.reset(seed=0)
-        os.kill(envs._workers[1].pid, signal.SIGTERM)
+        os.kill(envs._pool.workers[1].pid, signal.SIGTERM)
         with pytest.raises(WorkerDiedError, match="SIGTERM"):
             envs.reset(seed=0)
     finally:
@@ -271,7 +271,7 @@ MAIN_SCRIPT = textwrap.dedent(
             time.sleep(0.5)
         else:
             v.step(np.zeros(4, dtype=np.int64))
-        print(" ".join(str(p.pid) for p in v._workers), flush=True)
+        print(" ".join(str(p.pid) for p in v._pool.workers), flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     if __name__ == "__main__":
@@ -377,7 +377,7 @@ def test_no_dev_shm_files_during_run_or_after_close(context, shared_memory):
         num_workers=2,
         shared_memory=shared_memory,
     )
-    pids = {os.getpid(), *(p.pid for p in envs._workers)}
+    pids = {os.getpid(), *(p.pid for p in envs._pool.workers)}
     try:
         envs.reset(seed=0)
         assert _own_new_shm_files(before, pids) == set()
@@ -388,7 +388,7 @@ def test_no_dev_shm_files_during_run_or_after_close(context, shared_memory):
 
 def test_dropped_env_is_cleaned_up_by_del():
     envs = ShmVectorEnv(test_envs.gym_fns("CartPole-v1", 2), context="fork", num_workers=2)
-    workers = list(envs._workers)
+    workers = list(envs._pool.workers)
     pids = [p.pid for p in workers]
     del envs
     import gc

@@ -73,7 +73,7 @@ def test_num_workers_0_needs_no_shared_memory(monkeypatch):
     monkeypatch.setattr(_core, "futex_wake", refuse)
     envs = ShmVectorEnv(test_envs.gym_fns("CartPole-v1", 2), num_workers=0)
     try:
-        assert envs._segment.fd == -1
+        assert envs._pool.segment.fd == -1
         envs.reset(seed=0)
         assert envs.step(np.zeros(2, dtype=np.int64))[0].shape == (2, 4)
     finally:

@@ -17,7 +17,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import assert_same
 
-import shmvec.async_api
+import shmvec.engine.async_engine
 from shmvec import ShmVectorEnv, WorkerDiedError
 
 pytestmark = pytest.mark.timeout(60)
@@ -37,7 +37,7 @@ def notes(exc: BaseException) -> str:
 
 
 def kill(envs: ShmVectorEnv, index: int) -> None:
-    process = envs._workers[index]
+    process = envs._pool.workers[index]
     os.kill(process.pid, signal.SIGKILL)
     process.join(5)
 
@@ -59,7 +59,7 @@ def test_restart_replaces_a_dead_worker_and_spares_the_others(mode):
     rng = np.random.default_rng(0)
     try:
         assert_same(envs.reset(seed=3), sync.reset(seed=3))
-        old_pid = envs._workers[1].pid
+        old_pid = envs._pool.workers[1].pid
         for t in range(120):
             if t == 40:
                 kill(envs, 1)
@@ -82,10 +82,10 @@ def test_restart_replaces_a_dead_worker_and_spares_the_others(mode):
             if t == 41 and mode == NEXT:
                 # As after any truncation, NEXT_STEP's next step is a reset step.
                 assert (got[1][2:4] == 0).all() and not got[3][2:4].any()
-        new = envs._workers[1]
+        new = envs._pool.workers[1]
         assert new.pid != old_pid and new.exitcode is None
         assert envs.stats()["worker_restarts"] == 1
-        workers = list(envs._workers)
+        workers = list(envs._pool.workers)
     finally:
         envs.close()
         sync.close()
@@ -230,7 +230,7 @@ def test_async_random_kills_lose_and_duplicate_no_transition(step_in_main):
     try:
         envs.async_reset(seed=0)
         while True:
-            alive = all(p.exitcode is None for p in envs._workers)
+            alive = all(p.exitcode is None for p in envs._pool.workers)
             if t >= 300 and kills >= 10 and alive:  # deaths are noticed within 0.1 s
                 break
             t += 1
@@ -322,7 +322,7 @@ def test_async_death_while_main_reads_the_slots_messages(monkeypatch):
     while main is reading the slot's messages and has read env 2's: only env
     3's row is redone, env 2's result stands (the counters check both)."""
     # No periodic liveness check: the death is noticed while reading messages.
-    monkeypatch.setattr(shmvec.async_api, "LIVENESS_CHECK_S", 60.0)
+    monkeypatch.setattr(shmvec.engine.async_engine.AsyncEngine, "periodic_check_s", 60.0)
     envs = ShmVectorEnv(
         test_envs.indexed_fns(SlowOrTalkative, 4), num_workers=2, batch_size=2,
         on_worker_death="restart",

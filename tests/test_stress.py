@@ -186,7 +186,7 @@ def test_rss_fds_and_dev_shm_flat_over_1e5_steps():
     envs = shmvec.ShmVectorEnv(fns, num_workers=2)
     rng = np.random.default_rng(3)
     try:
-        pids = [os.getpid()] + [p.pid for p in envs._workers]
+        pids = [os.getpid()] + [p.pid for p in envs._pool.workers]
         assert len(pids) == 3
         envs.reset(seed=1)
 

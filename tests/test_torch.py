@@ -54,7 +54,8 @@ def test_cpu_tensors_are_views_of_the_ring_with_copy_false():
     envs = TorchVectorEnv(cartpoles(copy=False))
     obs, _ = envs.reset(seed=0)
     shm = envs.shm
-    ring_obs = shm._slots[shm._slot].obs[0]
+    handoff = shm.handoff()
+    ring_obs = handoff.slot_views(handoff.last_slot).obs[0]
     assert obs.data_ptr() == ring_obs.ctypes.data  # zero-copy
     kept = obs.clone()
     obs2, *_ = envs.step(torch.zeros(4, dtype=torch.int64))

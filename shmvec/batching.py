@@ -1,0 +1,300 @@
+"""The gymnasium layer shared by ShmVectorEnv and RayVectorEnv.
+
+Block splitting, env-id, reset-mask and action checks, seed and option
+expansion, infos batched (``VectorEnv._add_info`` over rows) and unbatched
+(its inverse), all with gymnasium's own error types and messages; and
+``VectorEnvBase``, the state-machine face both vector envs share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
+from gymnasium.vector.async_vector_env import AsyncState
+from gymnasium.vector.utils import iterate
+from gymnasium.vector.vector_env import VectorEnv
+
+#: What ``reset`` takes as ``seed``: one int for all envs, one per env or group, or None.
+Seeds = int | list[int | None] | None
+#: What ``reset`` takes as ``options``: one dict for all envs, one per env or group, or None.
+Options = dict[str, Any] | list[dict[str, Any] | None] | None
+
+
+def split_blocks(num_envs: int, num_parts: int) -> list[range]:
+    """Contiguous, as-even-as-possible blocks of env ids, the larger ones first."""
+    base, extra = divmod(num_envs, num_parts)
+    starts = [k * base + min(k, extra) for k in range(num_parts + 1)]
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def check_env_ids(env_ids: Any, num_envs: int) -> np.ndarray:
+    """``env_ids`` as int64; TypeError if not 1-D ints, ValueError if out of range
+    or repeated."""
+    ids = np.asarray(env_ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise TypeError(f"env_ids must be a 1-D array of ints, got {env_ids!r}")
+    ids = ids.astype(np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= num_envs):
+        bad = ids[(ids < 0) | (ids >= num_envs)]
+        raise ValueError(f"env_ids {bad.tolist()} out of range [0, {num_envs})")
+    counts = np.bincount(ids, minlength=num_envs)
+    if len(ids) != np.count_nonzero(counts):
+        raise ValueError(f"env_ids {np.flatnonzero(counts > 1).tolist()} appear more than once")
+    return ids
+
+
+def take_reset_mask(options: Any, reset_mask: np.ndarray | None) -> np.ndarray | None:
+    """The checked-later reset mask: ``options["reset_mask"]`` (popped, as gymnasium
+    does) or the ``reset_mask`` argument; ValueError if both are given."""
+    if isinstance(options, dict) and "reset_mask" in options:
+        if reset_mask is not None:
+            raise ValueError("reset_mask given twice: in options and as an argument")
+        reset_mask = options.pop("reset_mask")
+    return reset_mask
+
+
+def check_reset_mask(mask: Any, num_envs: int) -> np.ndarray:
+    """``mask`` if it is a bool array of shape ``(num_envs,)`` with a True; else
+    gymnasium's TypeError or ValueError."""
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
+    if mask.shape != (num_envs,):
+        raise ValueError(
+            f"`options['reset_mask']` must have shape `({num_envs},)`, got {mask.shape}"
+        )
+    if mask.dtype != np.bool_:
+        raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}")
+    if not np.any(mask):
+        raise ValueError(
+            "`options['reset_mask']` must contain a boolean array with at least one True "
+            f"value, got reset_mask={mask}"
+        )
+    return mask
+
+
+def check_actions(space: gym.Space, batched: gym.Space, actions: Any, env_ids) -> None:
+    """``validate_actions``: a ValueError naming the envs (``env_ids``, in batch
+    order) whose action in the batch ``actions`` is not in ``space``."""
+    bad = []
+    for env, action in zip(env_ids, iterate(batched, actions)):
+        if isinstance(space, gym.spaces.Box):  # float64 for a float32 Box is fine
+            action = np.asarray(action).astype(space.dtype, casting="same_kind")
+        if not space.contains(action):
+            bad.append(f"env {env}: {action!r}")
+    if bad:
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise ValueError(f"actions outside the action space {space}: {'; '.join(bad[:5])}{more}")
+
+
+def expand_seeds(seed, num_envs: int, group_size: int = 1) -> list:
+    """One seed per env from an int (env ``i`` gets ``seed + i // group_size``), a
+    list with one per env or per group, or None; envs of a group share theirs."""
+    if seed is None:
+        return [None] * num_envs
+    if isinstance(seed, int):
+        return [seed + i // group_size for i in range(num_envs)]
+    seeds = list(seed)
+    return _per_env(
+        seeds,
+        num_envs,
+        group_size,
+        lambda expected: (
+            "If seeds are passed as a list the length must match "
+            f"num_envs={expected} but got length={len(seeds)}."
+        ),
+    )
+
+
+def expand_options(options, num_envs: int, group_size: int = 1) -> list:
+    """One options dict (or None) per env from a dict, None, or a list with one
+    per env or per group; envs of a group share theirs."""
+    if options is None or isinstance(options, dict):
+        return [options] * num_envs
+    if not isinstance(options, (list, tuple)):
+        raise TypeError(f"options must be a dict, a list of dicts or None, got {options!r}")
+    for i, entry in enumerate(options):
+        if entry is not None and not isinstance(entry, dict):
+            raise TypeError(f"options[{i}] must be a dict or None, got {entry!r}")
+    return _per_env(
+        list(options),
+        num_envs,
+        group_size,
+        lambda expected: (
+            f"options as a list needs one entry per env: expected {expected}, got {len(options)}"
+        ),
+    )
+
+
+def _per_env(values: list, n: int, g: int, message: Callable[[str], str]) -> list:
+    """``values`` with one entry per env, or per group (then expanded to its envs);
+    any other length is a ValueError with ``message(expected lengths)``."""
+    if g > 1 and len(values) == n // g:
+        return [values[i // g] for i in range(n)]
+    if len(values) != n:
+        raise ValueError(message(f"{n} (or num_envs / group_size = {n // g})" if g > 1 else str(n)))
+    return values
+
+
+class _Rows:
+    """``VectorEnv._add_info`` over a batch of ``num_envs`` rows."""
+
+    _add_info = VectorEnv._add_info
+
+    def __init__(self, num_envs: int) -> None:
+        self.num_envs = num_envs
+
+
+def batch_infos(
+    items: list[tuple[int, list[dict]]], rows: int, infos: dict | None = None
+) -> dict[str, Any]:
+    """Per-row info dicts ``[(row, [info, ...])]``, in the order given, merged into
+    ``infos`` (default: a new dict), a batch of ``rows`` rows, exactly as
+    ``VectorEnv._add_info`` does."""
+    batch = _Rows(rows)
+    infos = {} if infos is None else infos
+    for row, dicts in items:
+        for info in dicts:
+            infos = batch._add_info(infos, info, row)
+    return infos
+
+
+def rows_with_info(infos: dict) -> list[int]:
+    """The rows of a batched info dict that have any masked key."""
+    masks = [infos[f"_{key}"] for key in infos if f"_{key}" in infos]
+    if not masks:
+        return []
+    return np.flatnonzero(np.logical_or.reduce(masks)).tolist()
+
+
+def unbatch_info(infos: dict, row: int, masked_only: bool = True) -> dict:
+    """Row ``row``'s info from a batched info dict: the inverse of ``_add_info``.
+
+    A key ``k`` with a mask ``_k`` goes to the rows where the mask is true; a key
+    without one to none (``masked_only``) or to every row. Nested dicts
+    (``"episode"``, ``"final_info"``) are unbatched recursively.
+    """
+    info = {}
+    for key, value in infos.items():
+        mask = infos.get(f"_{key}")
+        if mask is None:
+            if masked_only or (key.startswith("_") and key[1:] in infos):
+                continue
+        elif not mask[row]:
+            continue
+        if isinstance(value, dict):
+            info[key] = unbatch_info(value, row, masked_only)
+        elif isinstance(value, np.ndarray) and value.dtype == np.bool_ and value.ndim == 1:
+            # _add_info makes a bool array only from a Python bool (np.bool_ is not a
+            # np.number: it gets an object array); give it back as one.
+            info[key] = bool(value[row])
+        else:
+            info[key] = value[row]
+    return info
+
+
+def unbatch_infos(infos: dict[str, Any], num_envs: int) -> list[dict[str, Any]]:
+    """gymnasium's batched infos to one dict per env (SB3's list of infos); a key
+    without a ``_key`` mask goes to every env."""
+    return [unbatch_info(infos, row, masked_only=False) for row in range(num_envs)]
+
+
+def recv_whole_batch(env: Any, reset_pending: bool, timeout: float | None) -> tuple:
+    """``recv()`` when ``batch_size == num_envs`` (ShmVectorEnv and RayVectorEnv):
+    the pending reset (``reset_pending``), as a step with zero rewards, or the
+    pending step; with ``infos["env_id"]``."""
+    if reset_pending:
+        obs, infos = env.reset_wait(timeout)
+        zeros = np.zeros(env.num_envs, dtype=bool)
+        result = obs, np.zeros(env.num_envs), zeros, zeros.copy(), infos
+    else:
+        result = env.step_wait(timeout)
+    result[4]["env_id"] = np.arange(env.num_envs)
+    return result
+
+
+class VectorEnvBase(VectorEnv):
+    """What ShmVectorEnv and RayVectorEnv share of gymnasium's ``VectorEnv`` face:
+    ``reset`` over the async state machine, seed and option expansion, the
+    state checks with gymnasium's errors, and the context manager.
+
+    Subclasses set ``num_envs``, ``group_size``, ``is_async``, ``closed`` and
+    ``_state`` (a gymnasium ``AsyncState``), and implement ``reset_async``,
+    ``reset_wait``, ``async_reset``, ``recv`` and ``call``.
+    """
+
+    def reset(
+        self,
+        *,
+        seed: Seeds = None,
+        options: Options = None,
+        reset_mask: np.ndarray | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
+        """Resets the envs; see ``gymnasium.vector.VectorEnv.reset`` and ``reset_async``.
+
+        In async mode (``batch_size < num_envs``) this is ``async_reset`` then
+        ``recv``: it returns the first ``batch_size`` envs to finish resetting.
+        """
+        if self.is_async:
+            if reset_mask is not None:
+                raise ValueError("reset_mask needs batch_size == num_envs")
+            self.async_reset(seed=seed, options=options)
+            obs, _, _, _, infos = self.recv()
+            return obs, infos
+        self.reset_async(seed=seed, options=options, reset_mask=reset_mask)
+        return self.reset_wait()
+
+    def get_attr(self, name: str) -> tuple[Any, ...]:
+        """The attribute ``name`` of every env (callables are called, as in gymnasium)."""
+        return self.call(name)
+
+    def render(self) -> tuple[Any, ...] | None:
+        """Each env's ``render()``."""
+        return self.call("render")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _expand_seeds(self, seed) -> list:
+        return expand_seeds(seed, self.num_envs, self.group_size)
+
+    def _expand_options(self, options) -> list:
+        return expand_options(options, self.num_envs, self.group_size)
+
+    def _attr_values(self, values: Any) -> list | tuple:
+        """``set_attr``'s values: one per env, or the same value for all."""
+        if not isinstance(values, (list, tuple)):
+            values = [values] * self.num_envs
+        if len(values) != self.num_envs:
+            raise ValueError(
+                "Values must be a list or tuple with length equal to the number of "
+                f"environments. Got `{len(values)}` values for {self.num_envs} environments."
+            )
+        return values
+
+    def _assert_is_running(self) -> None:
+        if self.closed:
+            raise ClosedEnvironmentError(
+                f"Trying to operate on `{type(self).__name__}`, after a call to `close()`."
+            )
+
+    def _assert_idle(self, name: str, end: str = ".") -> None:
+        if self._state != AsyncState.DEFAULT:
+            raise AlreadyPendingCallError(
+                f"Calling `{name}` while waiting for a pending call to "
+                f"`{self._state.value}` to complete{end}",
+                str(self._state.value),
+            )
+
+    def _assert_waiting(self, state: AsyncState, name: str, sender: str) -> None:
+        self._assert_is_running()
+        if self._state != state:
+            raise NoAsyncCallError(
+                f"Calling `{name}` without any prior call to `{sender}`.", state.value
+            )

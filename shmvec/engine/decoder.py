@@ -1,0 +1,120 @@
+"""ResultDecoder: ring slot rows and worker messages to gymnasium's results.
+
+Data flow: workers leave a round's (or an async batch's) results in a ring
+slot's columns and, when there is more, in messages; the decoder turns them
+into the observation batch, the (rewards, terminations, truncations) arrays
+and the infos dict, with one info merge for whole batches and async rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shmvec import infos as info_columns
+from shmvec.batching import batch_infos
+from shmvec.errors import add_note
+
+
+class ResultDecoder:
+    """Decodes results; owns each worker's info column schema.
+
+    Args:
+        obs_codec: the observation space's codec (shmvec/layout.py).
+        slots: the ring slots' views.
+        blocks: each worker's env ids.
+        copy: return copies (True) or views of the ring.
+    """
+
+    def __init__(self, obs_codec, slots: list, blocks: list[range], copy: bool) -> None:
+        self.obs_codec = obs_codec
+        self.slots = slots
+        self.blocks = blocks
+        self.num_envs = blocks[-1].stop
+        self.copy = copy
+        self.schemas: list[dict] = [{} for _ in blocks]  # per worker: info key -> column
+        self.block_groups = [slice(rows.start, rows.stop) for rows in blocks]
+        self.pickled_obs: list | None = None  # last obs of each env, pickled spaces
+
+    def learn_columns(self, index: int, message: dict) -> None:
+        """Worker ``index``'s info columns announced in ``message``."""
+        self.schemas[index].update(message.get("info_columns", ()))
+
+    def merge_infos(self, views, groups: list, messages, rows: int) -> dict[str, Any]:
+        """The infos of ``rows`` rows of ``views``: pickled ones from ``messages``
+        and numeric columns (``groups[w]``: the rows worker ``w`` wrote), merged
+        in row order as ``VectorEnv._add_info`` would."""
+        gathered = {}
+        if any(self.schemas):
+            gathered = info_columns.gather(
+                self.schemas, groups, views.info_codes, views.info_cells, rows
+            )
+        pickled = [item for m in messages for item in m.get("infos", ())]
+        if not pickled:
+            return info_columns.merge_columns({}, gathered, rows)
+        items = sorted(pickled + info_columns.column_dicts(gathered), key=lambda item: item[0])
+        return batch_infos(items, rows)
+
+    def batch_infos(self, slot: int, messages: dict[int, dict]) -> dict[str, Any]:
+        """A sync round's infos, ``messages`` by worker."""
+        if not messages and not any(self.schemas):
+            return {}
+        for index, message in messages.items():
+            self.learn_columns(index, message)
+        views = self.slots[slot]
+        return self.merge_infos(views, self.block_groups, messages.values(), self.num_envs)
+
+    def batch_obs(self, slot: int, messages: dict[int, dict]) -> Any:
+        """A sync round's observations."""
+        if self.obs_codec.pickled:
+            values = self.pickled_obs or [None] * self.num_envs
+            for message in messages.values():
+                for row, value in message.get("obs", {}).items():
+                    values[row] = value
+            self.pickled_obs = values
+            return self.obs_codec.read_batch(values, self.copy)
+        return self.obs_codec.read_batch(self.slots[slot].obs, self.copy)
+
+    def carry_over_obs(self, slot: int, rows: np.ndarray) -> None:
+        """Envs left out of a masked reset keep their previous observation."""
+        if self.obs_codec.pickled:
+            return  # batch_obs keeps the last value of every env
+        previous = self.slots[(slot - 1) % len(self.slots)].obs
+        for new, old in zip(self.slots[slot].obs, previous):
+            new[rows] = old[rows]
+
+    def rows_obs(self, views, messages: dict[int, dict], rows: int) -> Any:
+        """An async batch's observations, ``messages`` by row."""
+        if self.obs_codec.pickled:
+            values = [None] * rows
+            for row, message in messages.items():
+                values[row] = next(iter(message["obs"].values()))
+            return self.obs_codec.read_batch(values, self.copy)
+        return self.obs_codec.read_batch(views.obs, self.copy)
+
+    def outcomes(self, views) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rewards, terminations, truncations) of a ring slot: copies if ``copy``,
+        the flags as bool."""
+        rewards, terminations, truncations = views.rewards, views.terminations, views.truncations
+        if self.copy:
+            rewards, terminations, truncations = (
+                rewards.copy(), terminations.copy(), truncations.copy()
+            )  # fmt: skip
+        return rewards, terminations.view(np.bool_), truncations.view(np.bool_)
+
+    def remote_error(self, errors: list) -> BaseException:
+        """The first env error, with the env, the worker and the remote traceback."""
+        row, exc, tb = errors[0]
+        worker = next((i for i, b in enumerate(self.blocks) if row in b), None)
+        add_note(exc, f"raised by env {row} in shmvec worker {worker}; remote traceback:\n{tb}")
+        for other_row, other, _ in errors[1:]:
+            add_note(exc, f"env {other_row} also raised {type(other).__name__}: {other}")
+        return exc
+
+
+def raise_errors(messages, decoder: ResultDecoder) -> None:
+    """Re-raises the first env error in ``messages`` (an iterable of dicts)."""
+    errors = [e for m in messages for e in m.get("errors", ())]
+    if errors:
+        raise decoder.remote_error(errors)

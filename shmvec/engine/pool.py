@@ -1,0 +1,304 @@
+"""WorkerPool: the segment, the worker processes, their pipes and their liveness.
+
+Data flow: ``open()`` creates the segment and its views (barrier, action slab,
+ring slots, per-worker lines); ``spawn()`` starts one worker per env block
+(worker 0 in this process with ``step_in_main``) and waits until each says it
+is ready. Afterwards ``send``/``recv`` carry the pipe half of the protocol
+(shmvec/protocol.py), noticing a dead peer within ``LIVENESS_CHECK_S``.
+
+Who may call what: everything from the main process's one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import pickle
+import time
+from collections import deque
+from typing import Any
+
+import cloudpickle
+
+from shmvec import _core
+from shmvec.errors import WorkerDiedError, add_note
+from shmvec.protocol import LIVENESS_CHECK_S
+from shmvec.worker import (
+    InProcessWorker,
+    LoopbackPipe,
+    SegmentFd,
+    WorkerSpec,
+    make_layout,
+    worker_main,
+)
+
+logger = logging.getLogger("shmvec")
+
+
+class SetupError(Exception):
+    """The kernel refused what the workers need; ``fallback="serial"`` does without."""
+
+
+class WorkerPool:
+    """The workers of one vector env and the segment they share.
+
+    Args:
+        spec: the workers' common spec (``index``, ``first_env`` and ``env_fns``
+            are filled in per worker).
+        env_fns: every env's callable.
+        blocks: the env ids of each worker.
+        context: multiprocessing start method.
+        daemon: whether worker processes are daemonic.
+        step_in_main: worker 0 runs in this process (``InProcessWorker``).
+        private: no worker process at all: the segment needs no fd.
+        restart_on_death: a send to a dead worker is left to the round's wait,
+            which restarts it (``on_worker_death="restart"``).
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        env_fns: list,
+        blocks: list[range],
+        *,
+        context: str | None,
+        daemon: bool,
+        step_in_main: bool,
+        private: bool,
+        restart_on_death: bool,
+    ) -> None:
+        self.spec = spec
+        self.env_fns = env_fns
+        self.blocks = blocks
+        self.num_workers = len(blocks)
+        self.context = context
+        self.daemon = daemon
+        self.step_in_main = step_in_main
+        self.private = private
+        self.restart_on_death = restart_on_death
+        self.layout = make_layout(spec)
+        self.segment = None
+        self.workers: list = []
+        self.pipes: list = []
+        self.stashed: list[tuple[deque, deque]] = []  # per worker: (replies, row messages)
+        self.main_worker: InProcessWorker | None = None
+        self.killed_stuck: dict[int, str] = {}  # worker -> why shmvec killed it
+
+    # ------------------------------------------------------------- start-up
+
+    def open(self) -> None:
+        """Creates the segment and the main process's views of it."""
+        layout = self.layout
+        try:
+            create = _core.Segment.create_private if self.private else _core.Segment.create
+            self.segment = create(layout.total_bytes)
+        except OSError as exc:  # no memfd (old kernel, seccomp), no memory
+            raise SetupError(f"shmvec cannot create its shared-memory segment: {exc}") from exc
+        buffer = memoryview(self.segment)
+        self.barrier = _core.StepBarrier(self.segment, layout.barrier_offset, self.num_workers)
+        if not self.private:
+            try:  # one futex wake on a segment word: a sandbox may forbid futexes
+                _core.futex_wake(self.segment, layout.barrier_offset, 1)
+            except OSError as exc:
+                raise SetupError(f"shmvec cannot use futexes here: {exc}") from exc
+        self.message_flags = layout.worker_words(buffer)
+        self.current_env = layout.worker_current_env(buffer)
+        self.finished = layout.worker_finished_generation(buffer)
+        self.busy_ns = layout.worker_busy_ns(buffer)
+        self.env_started_ns = layout.worker_env_started_ns(buffer)
+        self.action_views = layout.action_views(buffer)
+        self.slots = [layout.slot_views(buffer, k) for k in range(layout.num_slots)]
+
+    def spawn(self) -> None:
+        """Starts every worker and waits until each is ready."""
+        for index, rows in enumerate(self.blocks):
+            self.stashed.append((deque(), deque()))
+            if index == 0 and self.step_in_main:
+                main_end, worker_end = LoopbackPipe.pair()
+                spec = self._spec(0, self.env_fns[rows.start : rows.stop])
+                self.main_worker = InProcessWorker(spec, self.segment, worker_end)
+                self.workers.append(self.main_worker)
+                self.pipes.append(main_end)
+                logger.info("running envs %d..%d in the main process", rows.start, rows.stop - 1)
+            else:
+                process, pipe = self.start_worker(index)
+                self.workers.append(process)
+                self.pipes.append(pipe)
+        for index in range(self.num_workers):
+            self.expect_ready(index, f"shmvec worker {index}")
+
+    def _spec(self, index: int, env_fns: Any, **changes: Any) -> WorkerSpec:
+        first_env = self.blocks[index].start
+        return dataclasses.replace(
+            self.spec, index=index, first_env=first_env, env_fns=env_fns, **changes
+        )
+
+    def start_worker(self, index: int, **spec_changes: Any) -> tuple:
+        """Starts the process of worker ``index`` (again, after a death); returns it
+        and the main's end of its pipe."""
+        ctx = multiprocessing.get_context(self.context)
+        rows = self.blocks[index]
+        block = self.env_fns[rows.start : rows.stop]
+        payload = block if ctx.get_start_method() == "fork" else _pickle_env_fns(block, rows)
+        spec = self._spec(index, payload, **spec_changes)
+        parent_end, child_end = ctx.Pipe(duplex=True)
+        process = ctx.Process(
+            target=worker_main,
+            args=(spec, SegmentFd(self.segment.fd), child_end),
+            name=f"shmvec-worker-{index}",
+            daemon=self.daemon,
+        )
+        try:
+            process.start()
+        except OSError as exc:  # no fork/exec in this sandbox, too many processes...
+            raise SetupError(f"shmvec cannot start worker processes: {exc}") from exc
+        logger.info(
+            "started worker %d (pid %d, %s) for envs %d..%d",
+            index, process.pid, ctx.get_start_method(), rows.start, rows.stop - 1,
+        )  # fmt: skip
+        child_end.close()
+        return process, parent_end
+
+    def expect_ready(self, index: int, who: str) -> dict:
+        """Worker ``index``'s start-up message; its start-up error is raised here,
+        with ``who`` and the remote traceback in a note."""
+        message = self.recv(index, timeout=None)
+        if "startup_error" in message:
+            exc, tb = message["startup_error"]
+            add_note(exc, f"{who} traceback:\n{tb}")
+            raise exc
+        return message
+
+    def replace(self, index: int, **spec_changes: Any) -> None:
+        """Retires dead worker ``index`` and starts its replacement. Messages the
+        dead one sent stay readable (row messages are kept, replies dropped)."""
+        self.workers[index].join(1.0)
+        self.drain(index)
+        self.pipes[index].close()
+        self.stashed[index][False].clear()  # replies to rounds it will never finish
+        self.message_flags[index] = 0  # a round's message it flagged died with it
+        self.workers[index], self.pipes[index] = self.start_worker(index, **spec_changes)
+
+    # ----------------------------------------------------------------- pipes
+
+    def send(self, index: int, tag: str, payload: Any) -> None:
+        """Sends worker ``index`` a payload it reads with ``Worker._recv(tag)``."""
+        message = pickle.dumps((tag, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self.pipes[index].send_bytes(message)
+        except (BrokenPipeError, ConnectionResetError):
+            self.workers[index].join(1.0)
+            if self.restart_on_death and self.workers[index].exitcode is not None:
+                return  # the round's wait restarts it (and resends a reset)
+            self.check_alive(index)  # raises WorkerDiedError
+            raise
+
+    def recv(self, index: int, timeout: float | None, row: bool = False) -> dict:
+        """The next message of worker ``index``, noticing its death.
+
+        Async mode interleaves two streams on a pipe: per-row messages (with a
+        ``"row"`` key) and replies to barrier commands. Each caller asks for
+        one; messages of the other are kept for their turn.
+        """
+        stash = self.stashed[index][row]
+        if stash:
+            return stash.popleft()
+        while True:
+            message = self._recv_any(index, timeout)
+            if ("row" in message) == row:
+                return message
+            self.stashed[index][not row].append(message)
+
+    def _recv_any(self, index: int, timeout: float | None) -> dict:
+        pipe = self.pipes[index]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not pipe.poll(LIVENESS_CHECK_S):
+            self.check_alive(index)
+            if deadline is not None and time.monotonic() > deadline:
+                raise multiprocessing.TimeoutError(f"no message from shmvec worker {index}")
+        try:
+            return pickle.loads(pipe.recv_bytes())
+        except EOFError:
+            self.workers[index].join(1.0)
+            self.check_alive(index)
+            raise
+
+    def drain(self, index: int) -> None:
+        """Reads what worker ``index`` has sent, without waiting, into its stashes."""
+        pipe = self.pipes[index]
+        try:
+            while pipe.poll(0):
+                message = pickle.loads(pipe.recv_bytes())
+                self.stashed[index]["row" in message].append(message)
+        except (EOFError, OSError):
+            pass
+
+    # -------------------------------------------------------------- liveness
+
+    def check_alive(self, index: int) -> None:
+        """WorkerDiedError if worker ``index`` has exited."""
+        process = self.workers[index]
+        if process.exitcode is not None:
+            error = WorkerDiedError(index, self.blocks[index], process.exitcode, process.pid)
+            why = self.killed_stuck.pop(index, None)
+            if why is not None:
+                add_note(error, why)
+            logger.error("%s", error)
+            raise error
+
+    def check_all_alive(self) -> None:
+        for index in range(self.num_workers):
+            self.check_alive(index)
+
+    def kill(self, index: int, why: str) -> None:
+        """Kills worker ``index`` (a timeout); its death is then reported with ``why``."""
+        process = self.workers[index]
+        logger.error("worker %d (pid %d) %s", index, process.pid, why)
+        self.killed_stuck[index] = why
+        process.kill()
+        process.join(1.0)
+
+    def run_main_worker(self, async_mode: bool) -> None:
+        """With ``step_in_main``: does worker 0's share of what was just asked."""
+        if self.main_worker is not None:
+            self.main_worker.poll(async_mode)
+
+    # -------------------------------------------------------------- shutdown
+
+    def terminate(self, grace_s: float = 0.0) -> None:
+        """Joins the workers for ``grace_s``, then SIGTERM, then SIGKILL."""
+        for stop in (None, "terminate", "kill"):
+            deadline = time.monotonic() + (grace_s if stop is None else 1.0)
+            for process in self.workers:
+                if process.exitcode is None and stop is not None:
+                    # SIGKILL last: a worker whose env initialised SDL ignores SIGTERM.
+                    getattr(process, stop)()
+            for process in self.workers:
+                process.join(max(deadline - time.monotonic(), 0.0))
+            if all(p.exitcode is not None for p in self.workers):
+                return
+
+    def release(self) -> None:
+        """Closes the pipes and the segment's fd (the mapping lives while views do)."""
+        for pipe in self.pipes:
+            pipe.close()
+        self.pipes = []
+        self.workers = []
+        if self.segment is not None:
+            self.segment.close_fd()
+
+
+def _pickle_env_fns(block: list, rows: range) -> bytes:
+    try:
+        return cloudpickle.dumps(block)
+    except Exception as exc:
+        for offset, fn in enumerate(block):
+            try:
+                cloudpickle.dumps(fn)
+            except Exception:  # noqa: BLE001
+                raise TypeError(
+                    f"env_fns[{rows.start + offset}] cannot be pickled for a worker started "
+                    f"with spawn/forkserver: {exc!r}. Use context='fork' or a picklable callable."
+                ) from exc
+        raise

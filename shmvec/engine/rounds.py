@@ -1,0 +1,209 @@
+"""RoundDriver: one barrier round at a time: post, wait, finish.
+
+Data flow: a caller sends a round's payloads (``pool.send``), then ``post``
+(or ``step_round``, the short path of a plain step) bumps the barrier's
+generation with a command kind and the ring slot it fills; ``finish`` waits
+until every worker arrived (replacing dead ones under
+``on_worker_death="restart"``), reads the messages the workers flagged and
+re-raises env errors. A round whose wait timed out is ``unfinished``: the next
+round first waits for it and drops its results.
+
+Who may call what: the main process's one thread, one round at a time.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from shmvec.engine.decoder import ResultDecoder, raise_errors
+from shmvec.engine.pool import WorkerPool
+from shmvec.engine.stats import Stats
+from shmvec.engine.supervisor import Supervisor
+from shmvec.errors import WorkerDiedError, add_note
+from shmvec.protocol import LIVENESS_CHECK_NS, LIVENESS_CHECK_S, RESET, STEP
+
+
+class RoundDriver:
+    """Runs barrier rounds over a pool's workers.
+
+    Args:
+        pool: the workers.
+        supervisor: waits, timeouts and restarts.
+        decoder: owns the info schemas a clean round must not have.
+        stats: counts the main process's wait.
+        main_spin_ns: how long the main process spins before it sleeps.
+        doorbells: async mode: rung with every post, so sleeping workers see it.
+    """
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        supervisor: Supervisor,
+        decoder: ResultDecoder,
+        stats: Stats,
+        main_spin_ns: int,
+        doorbells: list | None,
+    ) -> None:
+        self.pool = pool
+        self.barrier = pool.barrier
+        self.main_worker = pool.main_worker
+        self.supervisor = supervisor
+        self.decoder = decoder
+        self.stats = stats
+        self.main_spin_ns = main_spin_ns
+        self.doorbells = doorbells
+        self.ring_depth = len(pool.slots)
+        self.slot = 0  # the ring slot of the last round
+        self.kind: int | None = None  # the command kind of the round being finished
+        self.started = 0.0  # time.monotonic() of the last post (env_timeout)
+        self.unfinished = False  # the last round's wait timed out
+        self.recovered: dict[int, dict] = {}  # messages of replacement workers
+        self.reset_payloads: dict[int, tuple] = {}  # the last reset of each worker
+        self.reset_mask: np.ndarray | None = None  # that reset's mask
+        self.before_slot_reuse: Callable[[int], None] = _nothing
+
+    def next_slot(self) -> int:
+        """The slot the next round fills, once ``before_slot_reuse`` allowed it."""
+        self.slot = (self.slot + 1) % self.ring_depth
+        self.before_slot_reuse(self.slot)
+        return self.slot
+
+    def post(self, kind: int, arg: int = 0) -> None:
+        """Starts a round; async-mode workers sleep on their doorbells."""
+        self.kind = kind
+        self.started = time.monotonic()
+        self.barrier.post(kind, arg)
+        if self.doorbells is not None:
+            for bell in self.doorbells:
+                bell.ring()
+
+    def send_blocks(self, tag: str, per_env: list, wrap: Callable = lambda block: block) -> None:
+        """Sends each worker ``wrap(its block's slice of per_env)`` under ``tag``."""
+        for index, rows in enumerate(self.pool.blocks):
+            self.pool.send(index, tag, wrap(per_env[rows.start : rows.stop]))
+
+    def post_reset(self, seeds: list, options: list, mask: np.ndarray | None) -> None:
+        """Sends each worker its block's reset (kept for a replacement), then posts
+        a RESET round into the next slot."""
+        slot = self.next_slot()
+        for index, rows in enumerate(self.pool.blocks):
+            block = slice(rows.start, rows.stop)
+            block_mask = None if mask is None else mask[block]
+            self.reset_payloads[index] = (seeds[block], options[block], block_mask)
+            self.pool.send(index, "reset", self.reset_payloads[index])
+        self.reset_mask = None if mask is None else mask.copy()
+        self.post(RESET, slot)
+
+    def step_round(self) -> bool:
+        """A STEP round into the next slot, actions already in the slab, then one
+        wait: True if it ended with nothing but columns to read. Otherwise
+        ``finish`` takes the round over (an error, a message, a late worker).
+
+        The short path of ``ShmVectorEnv.step``, for sync mode without
+        ``env_timeout``: no doorbells, no round clock.
+        """
+        slot = self.slot = (self.slot + 1) % self.ring_depth
+        self.before_slot_reuse(slot)
+        self.kind = STEP
+        barrier = self.barrier
+        barrier.post(STEP, slot)
+        if self.main_worker is not None:
+            self.main_worker.poll(False)
+        waited = time.perf_counter()
+        done = barrier.wait_done(self.main_spin_ns, LIVENESS_CHECK_NS)
+        self.stats.wait_s += time.perf_counter() - waited
+        return done and not (barrier.messages() or self.recovered or any(self.decoder.schemas))
+
+    def finish(self, timeout: float | None, name: str) -> dict[int, dict]:
+        """Ends the pending round: waits, reads messages, re-raises env errors.
+        Returns the messages by worker."""
+        try:
+            self.wait(timeout, name)
+        except multiprocessing.TimeoutError:
+            self.unfinished = True
+            raise
+        finally:
+            self.kind = None  # no round pending: a restart now recovers as for a call
+        messages = self.collect_messages()
+        if messages:
+            raise_errors(messages.values(), self.decoder)
+        return messages
+
+    def finish_unfinished(self, timeout: float | None = None) -> None:
+        """Completes a round whose wait timed out, dropping its results."""
+        if self.unfinished:
+            self.kind = None
+            self.wait(timeout, "close" if timeout is not None else "step_wait")
+            self.collect_messages()
+            self.unfinished = False
+
+    def collect_messages(self) -> dict[int, dict]:
+        """This round's messages, by worker, in worker (so row) order."""
+        # The barrier's count first: reading the workers' own words (numpy's
+        # any() above all) costs several microseconds a round.
+        if not (self.barrier.messages() or self.recovered):
+            return {}
+        flags = self.pool.message_flags
+        messages = self.recovered
+        self.recovered = {}
+        for index in np.flatnonzero(flags).tolist():
+            flags[index] = 0
+            messages[index] = self.pool.recv(index, timeout=None)
+        return dict(sorted(messages.items()))
+
+    def wait(self, timeout: float | None, name: str) -> None:
+        """Waits for every worker to arrive; raises on timeout or a worker's death.
+
+        With ``on_worker_death="restart"`` a dead worker is replaced and the
+        replacement does its part of the round (``Worker.recover``); the round
+        then ends when every other worker has finished it, whatever the
+        barrier's count (the dead worker may or may not have arrived).
+        """
+        supervisor = self.supervisor
+        self.pool.run_main_worker(self.doorbells is not None)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if supervisor.env_timeout is None:  # the common case first: one wait, no checks
+            budget = LIVENESS_CHECK_S if timeout is None else min(timeout, LIVENESS_CHECK_S)
+            waited = time.perf_counter()
+            done = self.barrier.wait_done(self.main_spin_ns, int(budget * 1e9))
+            self.stats.wait_s += time.perf_counter() - waited
+            if done:
+                return
+        restarted: dict[int, WorkerDiedError] = {}
+
+        def ready(spin_ns: int, budget_ns: int) -> bool:
+            if self.doorbells is None:  # async mode times envs, in recv()
+                supervisor.kill_stuck_workers(self.started, restarted)
+            if restarted:
+                return supervisor.finished_except(restarted, budget_ns)
+            return self.barrier.wait_done(spin_ns, budget_ns)
+
+        while True:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                supervisor.wait_for(
+                    ready,
+                    remaining,
+                    lambda: (
+                        f"The call to `{name}` has timed out after {timeout} second(s). "
+                        f"Not finished: {supervisor.unfinished_workers()}."
+                    ),
+                )
+                break
+            except WorkerDiedError as error:
+                if not supervisor.restart_on_death or name == "close":
+                    raise
+                supervisor.replace_worker(error.worker, self)
+                restarted[error.worker] = error
+        if restarted and self.kind not in (None, STEP, RESET):
+            error = next(iter(restarted.values()))
+            add_note(error, f"the worker was restarted and its envs reset; `{name}` again")
+            raise error
+
+
+def _nothing(slot: int) -> None:
+    """The default ``before_slot_reuse``: nothing to wait for."""

@@ -1,0 +1,62 @@
+"""Stats: what ``ShmVectorEnv.stats()`` reports, counted as the rounds go."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("shmvec")
+
+
+class Stats:
+    """Steps, episodes, time the main process waited, restarts and env resets."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.episodes = 0
+        self.wait_s = 0.0
+        self.restarts = 0
+        self.env_resets = 0
+        self.started = time.perf_counter()
+
+    def count(self, terminations: np.ndarray, truncations: np.ndarray) -> None:
+        """Counts a batch of results whose done flags are these (uint8 0 or 1)."""
+        self.steps += len(terminations)
+        # OR-ed as two big integers, the set bits are the envs whose episode
+        # ended (numpy's ufuncs cost more here).
+        ended = int.from_bytes(terminations, "little") | int.from_bytes(truncations, "little")
+        self.episodes += ended.bit_count()
+
+    def note_env_resets(self, infos: dict, env_ids: np.ndarray) -> None:
+        """``on_env_error="reset"``: counts and logs the envs reset after an error."""
+        rows = np.flatnonzero(infos["_env_error"])
+        self.env_resets += len(rows)
+        for row in rows.tolist():
+            logger.warning("env %d was reset after %s", env_ids[row], infos["env_error"][row])
+
+    def log_summary(self, busy_ns: np.ndarray) -> None:
+        """Logs the report at DEBUG (when a vector env closes)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            stats = self.report(busy_ns)
+            logger.debug(
+                "closing: %d steps, %.0f steps/s, main waited %.0f%%, workers busy %s",
+                stats["steps"], stats["steps_per_s"], 100 * stats["main_wait_fraction"],
+                ", ".join(f"{100 * f:.0f}%" for f in stats["worker_busy_fraction"]),
+            )  # fmt: skip
+
+    def report(self, busy_ns: np.ndarray) -> dict[str, Any]:
+        """The dict of ``ShmVectorEnv.stats()``; ``busy_ns``: each worker's busy time."""
+        elapsed = time.perf_counter() - self.started
+        return {
+            "steps": self.steps,
+            "steps_per_s": self.steps / elapsed if elapsed > 0 else 0.0,
+            "episodes": self.episodes,
+            "main_wait_fraction": self.wait_s / elapsed if elapsed > 0 else 0.0,
+            "worker_busy_fraction": (busy_ns / 1e9 / elapsed).tolist() if elapsed > 0 else [],
+            "elapsed_s": elapsed,
+            "worker_restarts": self.restarts,
+            "env_resets": self.env_resets,
+        }
