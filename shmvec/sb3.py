@@ -88,6 +88,7 @@ from stable_baselines3.common.vec_env.base_vec_env import (
     VecEnvStepReturn,
 )
 
+from shmvec.batching import unbatch_infos
 from shmvec.vector_env import ShmVectorEnv
 
 __all__ = ["ActionCountError", "ShmSB3VecEnv", "batch_actions", "sb3_env_fns", "unbatch_infos"]
@@ -166,33 +167,6 @@ def sb3_env_fns(env_fns: Sequence[Callable[[], gym.Env]]) -> list[Callable[[], g
     ``ShmSB3VecEnv``; the adapter does it by itself when given ``env_fns``.
     """
     return [_SB3EnvFn(fn, i) for i, fn in enumerate(env_fns)]
-
-
-# ------------------------------------------------------------ info translation
-
-
-def unbatch_infos(infos: dict[str, Any], num_envs: int) -> list[dict[str, Any]]:
-    """gymnasium's batched infos to one dict per env.
-
-    A key ``k`` with a mask ``_k`` goes to the envs where the mask is true; a key
-    without one goes to every env. Nested dicts (``"episode"``, ``"final_info"``)
-    are unbatched recursively. Array values give their ``i``-th element; other
-    values (a list or tuple of one entry per env) theirs too.
-    """
-    out: list[dict[str, Any]] = [{} for _ in range(num_envs)]
-    for key, value in infos.items():
-        if key.startswith("_") and key[1:] in infos:
-            continue  # a mask
-        mask = infos.get(f"_{key}")
-        rows = range(num_envs) if mask is None else np.flatnonzero(mask).tolist()
-        if isinstance(value, dict):
-            per_env = unbatch_infos(value, num_envs)
-            for i in rows:
-                out[i][key] = per_env[i]
-        else:
-            for i in rows:
-                out[i][key] = value[i]
-    return out
 
 
 # ------------------------------------------------------------- action batches
