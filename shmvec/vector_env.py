@@ -38,7 +38,7 @@ from shmvec import infos as infos_columns
 from shmvec.async_api import AsyncRollouts
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.layout import PickledCodec, make_codec
-from shmvec.spin import SpinPolicy, available_cpus, default_spin
+from shmvec.spin import available_cpus, default_spin, fixed_spin
 from shmvec.worker import (
     CALL,
     CLOSE,
@@ -284,7 +284,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         self._env_blocks = _split_blocks(self.num_envs, self.num_workers)
         processes = self.num_workers - 1 if self.step_in_main else self.num_workers
         spin_ns = self._spin_ns
-        self._spin = default_spin(processes) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
+        self._spin = default_spin(processes) if spin_ns is None else fixed_spin(spin_ns)
         self._info_schemas: list[dict] = [{} for _ in range(self.num_workers)]
 
     def _set_observation_spaces(self, dummy_env: gym.Env, observation_mode) -> None:
