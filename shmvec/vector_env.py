@@ -39,6 +39,7 @@ from shmvec.async_api import AsyncRollouts
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.layout import PickledCodec, make_codec
 from shmvec.spin import available_cpus, default_spin, fixed_spin
+from shmvec.start_method import worker_context
 from shmvec.worker import (
     CALL,
     CLOSE,
@@ -373,7 +374,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
     def _start_worker(self, index: int, **spec_changes) -> tuple:
         """Starts the process of worker ``index`` (again, after a death);
         returns it and the main's end of its pipe."""
-        ctx = multiprocessing.get_context(self.context)
+        ctx = worker_context(self.context)
         rows = self._env_blocks[index]
         block = self.env_fns[rows.start : rows.stop]
         payload = block if ctx.get_start_method() == "fork" else _pickle_env_fns(block, rows)
