@@ -21,8 +21,9 @@
 // Waiting = a bounded spin, then futex sleep. Why bounded and tunable: on the
 // 2-core VMs this was built on a futex sleep/wake round trip costs ~55 us and
 // a spin round trip ~0.5 us, but a spinner that shares a core with a busy
-// peer steals the very time it waits for. The caller picks spin_ns: > 0 only
-// when each spinning process has a core of its own (see shmvec/spin.py).
+// peer steals the very time it waits for. The caller picks spin_ns: >= 0 a
+// fixed spin, < 0 the adaptive budget of this object's waiter, capped at
+// -spin_ns (csrc/wait_policy.h; shmvec/spin.py chooses the caps).
 #pragma once
 
 #include <sched.h>
@@ -31,6 +32,7 @@
 #include <cstdint>
 
 #include "futex.h"
+#include "wait_policy.h"
 
 namespace shmvec {
 
@@ -90,16 +92,24 @@ class StepBarrier {
  private:
   BarrierWords* w_;
   uint32_t num_workers_;
+  // The spin of whoever waits on this object: main in wait_done, a worker in
+  // wait_command (each process has its own StepBarrier over the words).
+  AdaptiveSpin spin_;
 };
 
 // Waits until ready(word) holds: spins for up to spin_ns, then sleeps on the
 // futex, counting itself in `sleepers` so that wakers can skip the syscall
 // when nobody sleeps. A waker must store to `word` (seq_cst) *then* read
 // `sleepers`; this function increments `sleepers` *then* re-reads `word`, so
-// at least one side sees the other (no lost wake-up).
+// at least one side sees the other (no lost wake-up). `out` (optional)
+// records what the wait saw, for AdaptiveSpin::learn().
 template <class Ready>
 WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
-                           Ready ready, int64_t spin_ns, int64_t timeout_ns) noexcept {
+                           Ready ready, int64_t spin_ns, int64_t timeout_ns,
+                           WaitOutcome* out = nullptr) noexcept {
+  WaitOutcome unused;
+  WaitOutcome& o = out ? *out : unused;
+  o = WaitOutcome{};
   if (ready(word.load(std::memory_order_acquire))) return WaitStatus::kReady;
   const int64_t start = monotonic_ns();
   if (spin_ns > 0) {
@@ -107,25 +117,36 @@ WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& s
     // that a spinner hands its core to a runnable peer (a no-op otherwise).
     for (uint32_t i = 1;; ++i) {
       cpu_relax();
-      if (ready(word.load(std::memory_order_acquire))) return WaitStatus::kReady;
+      if (ready(word.load(std::memory_order_acquire))) {
+        o.waited_ns = monotonic_ns() - start;
+        return WaitStatus::kReady;
+      }
       if ((i & 63) == 0) {
         if (monotonic_ns() - start >= spin_ns) break;
         sched_yield();
       }
     }
   }
+  o.slept = true;
   for (;;) {
     int64_t remaining = -1;
     if (timeout_ns >= 0) {
       remaining = timeout_ns - (monotonic_ns() - start);
-      if (remaining <= 0) return WaitStatus::kTimedOut;
+      if (remaining <= 0) {
+        o.waited_ns = monotonic_ns() - start;
+        o.timed_out = true;
+        return WaitStatus::kTimedOut;
+      }
     }
     sleepers.fetch_add(1, std::memory_order_seq_cst);
     uint32_t seen = word.load(std::memory_order_seq_cst);
     FutexResult r = FutexResult::kValueChanged;
     if (!ready(seen)) r = futex_wait(&word, seen, remaining);
     sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (ready(word.load(std::memory_order_acquire))) return WaitStatus::kReady;
+    if (ready(word.load(std::memory_order_acquire))) {
+      o.waited_ns = monotonic_ns() - start;
+      return WaitStatus::kReady;
+    }
     if (r == FutexResult::kError) return WaitStatus::kError;
     // kWoken / kValueChanged / kInterrupted / kTimedOut: loop re-checks the
     // deadline, so a timeout that raced with a wake-up is not lost either.

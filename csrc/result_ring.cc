@@ -30,9 +30,13 @@ void ResultRing::publish(uint32_t slot) noexcept {
 WaitStatus ResultRing::wait_full(uint32_t slot, int64_t spin_ns,
                                  int64_t timeout_ns) noexcept {
   const uint32_t target = batch_size_;
-  return spin_then_sleep(
+  WaitOutcome outcome;
+  WaitStatus status = spin_then_sleep(
       filled_[slot].value, header_->main_sleeping.value,
-      [target](uint32_t filled) { return filled >= target; }, spin_ns, timeout_ns);
+      [target](uint32_t filled) { return filled >= target; }, spin_for(spin_, spin_ns),
+      timeout_ns, &outcome);
+  spin_.learn(outcome);
+  return status;
 }
 
 uint32_t ResultRing::filled(uint32_t slot) const noexcept {
@@ -56,9 +60,12 @@ void Doorbell::ring() noexcept {
 
 WaitStatus Doorbell::wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
                           uint32_t* out) noexcept {
+  WaitOutcome outcome;
   WaitStatus status = spin_then_sleep(
       w_->rings.value, w_->sleepers.value,
-      [last](uint32_t rings) { return rings != last; }, spin_ns, timeout_ns);
+      [last](uint32_t rings) { return rings != last; }, spin_for(spin_, spin_ns),
+      timeout_ns, &outcome);
+  spin_.learn(outcome);
   *out = w_->rings.value.load(std::memory_order_acquire);
   return status;
 }

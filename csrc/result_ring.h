@@ -75,6 +75,7 @@ class ResultRing {
   PaddedWord* filled_;
   uint32_t num_slots_;
   uint32_t batch_size_;
+  AdaptiveSpin spin_;  // the main process's, in wait_full
 };
 
 // A counter that one worker sleeps on and the main process rings.
@@ -95,6 +96,7 @@ class Doorbell {
 
  private:
   DoorbellWords* w_;
+  AdaptiveSpin spin_;  // the worker's, in wait
 };
 
 }  // namespace shmvec

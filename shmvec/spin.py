@@ -1,20 +1,28 @@
 """How long a waiter spins before it sleeps on its futex.
 
-Measured on the 2-core VMs this was built on: a futex sleep/wake round trip
-costs ~55 us, a spin round trip ~0.5 us when each side has a core of its own.
-A spin of about one futex round trip wins every wait shorter than that and
-costs at most 2x on longer ones (the classic competitive bound), *if* the
-spinner's core is idle. The spin loop calls sched_yield() every ~3 us
-(csrc/barrier.h), so a runnable peer on the same core gets it back quickly.
+Each waiter learns its spin from the gaps it sees (csrc/wait_policy.h: grow
+after a sleep that a longer spin would have avoided, drift down after waits
+caught by the spin, drop to 0 when idle); this module only chooses each
+waiter's cap from the core count and the waiter's role. A spin value passed
+to the core is a fixed spin when >= 0 and "adaptive, capped at -value" when
+< 0.
 
-- Workers wait for the main process's next command while the main process
-  runs Python (the user's policy, the next ``step_async``): they spin, and
-  the yield hands the core back to the main process when it needs it.
-- The main process waits while the workers step their envs: it spins only
-  when every worker has a core of its own besides the main's; otherwise a
-  spinning main steals the time of the very worker it waits for. Measured
-  with CartPole-v1, 32 envs, 2 workers on 2 cores: a 50 us main spin cut
-  throughput from ~150k to ~85-105k steps/s.
+Measurements behind the caps (futex sleep/wake round trip ~55 us on an idle
+2-core VM, several times that when the woken vCPU had halted; a spin round
+trip ~0.5 us; the spin loop calls sched_yield() every ~3 us, so a runnable
+peer on the same core gets it back quickly):
+
+- When every process has a core of its own (or one process is over on 8+
+  cores, where the wake-ups cost more than the share a spinner takes), main
+  and workers spin adaptively up to ``SPIN_CAP_NS``: on a 16-core VM (16
+  workers), spinning 200 us instead of 0 (main) and 50 (workers) lifted
+  cpu100us x64 from 72k to 109k steps/s.
+- When processes share cores (2 workers and main on 2 cores), a spinning main
+  steals time from the very worker it waits for: with CartPole-v1 x32, a
+  50 us main spin cut throughput from ~150k to ~85-105k steps/s. There main
+  does not spin and workers keep the fixed ``SHARED_SPIN_NS``, measured to
+  cost nothing (they wait while main runs Python; the yields give it the
+  core back).
 """
 
 from __future__ import annotations
@@ -22,11 +30,17 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-#: ~1 futex round trip on the machines above.
-SPIN_NS = 50_000
+#: The adaptive spin's cap when each spinner has a core (halt-polling's default too).
+SPIN_CAP_NS = 200_000
+#: Workers' fixed spin when processes share cores: ~1 futex round trip on 2 cores.
+SHARED_SPIN_NS = 50_000
+#: From this many cores on, one process more than cores still lets main spin.
+MANY_CORES = 8
 
 
 class SpinPolicy(NamedTuple):
+    """Spin values (>= 0 fixed, < 0 adaptive with cap -value), in ns."""
+
     main_ns: int  # the main process waiting for the workers
     worker_ns: int  # a worker waiting for the next command
 
@@ -38,7 +52,17 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def default_spin(num_workers: int, cpus: int | None = None) -> SpinPolicy:
-    """The policy above for ``num_workers`` workers on ``cpus`` cores."""
+def default_spin(num_processes: int, cpus: int | None = None) -> SpinPolicy:
+    """The adaptive policy above for ``num_processes`` worker processes on ``cpus`` cores."""
     cpus = available_cpus() if cpus is None else cpus
-    return SpinPolicy(SPIN_NS if num_workers + 1 <= cpus else 0, SPIN_NS)
+    over = num_processes + 1 - cpus
+    if over <= 0 or (over == 1 and cpus >= MANY_CORES):
+        return SpinPolicy(main_ns=-SPIN_CAP_NS, worker_ns=-SPIN_CAP_NS)
+    return SpinPolicy(main_ns=0, worker_ns=SHARED_SPIN_NS)
+
+
+def fixed_spin(spin_ns: int) -> SpinPolicy:
+    """``spin_ns=`` given by the user: every waiter spins exactly that long."""
+    if spin_ns < 0:
+        raise ValueError(f"spin_ns must be >= 0 (nanoseconds), got {spin_ns}")
+    return SpinPolicy(spin_ns, spin_ns)

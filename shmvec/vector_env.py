@@ -71,7 +71,7 @@ from shmvec.protocol import (
     SET_ATTR,
     STEP,
 )
-from shmvec.spin import SpinPolicy, available_cpus, default_spin
+from shmvec.spin import available_cpus, default_spin, fixed_spin
 from shmvec.worker import WorkerSpec, check_env
 
 logger = logging.getLogger("shmvec")
@@ -227,7 +227,7 @@ class ShmVectorEnv(VectorEnvBase):
         self.num_workers = max(num_workers, 1)
         self._env_blocks = split_blocks(self.num_envs, self.num_workers)
         processes = self.num_workers - 1 if self.step_in_main else self.num_workers
-        spin = default_spin(processes) if spin_ns is None else SpinPolicy(spin_ns, spin_ns)
+        spin = default_spin(processes) if spin_ns is None else fixed_spin(spin_ns)
         engine = build_engine(
             _worker_spec(self, spin.worker_ns), self.env_fns, self._env_blocks,
             self._obs_codec, self._stats, spin,

@@ -146,3 +146,33 @@ def test_tensor_actions_go_through_wrappers_in_between():
             episodes += int(infos["_episode"].sum())
     assert episodes > 0 and len(envs.env.return_queue) == episodes
     envs.close()
+
+
+@needs_cuda
+def test_envs_and_restarts_after_cuda_work_never_kill_a_worker():
+    """Issue 14: create, close and re-create envs, and restart a killed worker,
+    in a process that has used CUDA and registered then unregistered a segment."""
+    envs = TorchVectorEnv(cartpoles(n=4), device="cuda")
+    envs.reset(seed=0)
+    envs.step(torch.zeros(4, dtype=torch.int64, device="cuda"))
+    envs.close()
+    for _ in range(2):
+        plain = cartpoles(n=4, on_worker_death="restart")
+        reference = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
+        try:
+            obs, _ = plain.reset(seed=1)
+            assert np.array_equal(obs, reference.reset(seed=1)[0])
+            actions = np.array([1, 0, 1, 0])
+            for _ in range(20):
+                got, want = plain.step(actions), reference.step(actions)
+                for a, b in zip(got[:4], want[:4]):
+                    np.testing.assert_array_equal(a, b)
+            assert plain.stats()["worker_restarts"] == 0  # no worker died by itself
+            plain._pool.workers[0].kill()
+            plain._pool.workers[0].join()
+            plain.step(actions)  # restarted, after CUDA work: must not abort
+            plain.step(actions)
+            assert plain.stats()["worker_restarts"] == 1
+        finally:
+            plain.close()
+            reference.close()

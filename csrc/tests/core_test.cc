@@ -38,6 +38,7 @@
 #include "futex.h"
 #include "result_ring.h"
 #include "segment.h"
+#include "wait_policy.h"
 
 namespace shmvec {
 namespace {
@@ -496,6 +497,35 @@ void run_case(const char* name, const std::function<void()>& body) {
   std::fflush(stdout);
 }
 
+// The learning rule of AdaptiveSpin (csrc/wait_policy.h), step by step.
+void test_adaptive_spin() {
+  constexpr int64_t kUs = 1000;
+  AdaptiveSpin never(0);
+  never.learn(WaitOutcome{100 * kUs, true, false});
+  CHECK(never.budget_ns() == 0);  // cap 0: never spins, whatever it sees
+
+  AdaptiveSpin a(200 * kUs);
+  CHECK(a.budget_ns() == 50 * kUs);  // starts at the fixed spin it replaced
+  a.learn(WaitOutcome{120 * kUs, true, false});  // slept through a gap within the cap
+  CHECK(a.budget_ns() == 180 * kUs);              // grown to 1.5x that gap
+  a.learn(WaitOutcome{190 * kUs, true, false});
+  CHECK(a.budget_ns() == 200 * kUs);  // never past the cap
+  for (int i = 0; i < 100; ++i) a.learn(WaitOutcome{20 * kUs, false, false});
+  CHECK(a.budget_ns() < 45 * kUs && a.budget_ns() >= 40 * kUs);  // drifted to ~2x gaps
+  a.learn(WaitOutcome{500 * kUs, true, false});  // beyond the cap: halve
+  CHECK(a.budget_ns() < 23 * kUs);
+  a.learn(WaitOutcome{5 * kUs, true, false});  // a short gap slept through: regrow
+  CHECK(a.budget_ns() >= AdaptiveSpin::kMinGrowNs);
+  a.learn(WaitOutcome{250 * kMs, true, true});  // idle (a timeout): stop spinning
+  CHECK(a.budget_ns() == 0);
+  a.learn(WaitOutcome{30 * kUs, true, false});
+  CHECK(a.budget_ns() == 45 * kUs);  // and back when the rounds resume
+
+  int64_t spin = spin_for(a, -100 * kUs);  // a new cap from the caller restarts it
+  CHECK(a.cap_ns() == 100 * kUs && spin == 50 * kUs);
+  CHECK(spin_for(a, 7 * kUs) == 7 * kUs);  // >= 0: the caller's fixed spin
+}
+
 }  // namespace
 }  // namespace shmvec
 
@@ -513,6 +543,7 @@ int main(int argc, char** argv) {
   const Peers threads = Peers::kThreads, procs = Peers::kProcesses;
   run_case("futex", test_futex);
   run_case("segment", test_segment);
+  run_case("adaptive spin", test_adaptive_spin);
   run_case("barrier timeouts", test_barrier_timeouts);
   run_case("barrier threads x3, sleep", [&] { test_barrier(threads, 3, 0, n); });
   run_case("barrier threads x4, spin", [&] { test_barrier(threads, 4, spin, n); });
@@ -520,10 +551,16 @@ int main(int argc, char** argv) {
   run_case("doorbell threads, spin", [&] { test_doorbell(threads, spin, n); });
   run_case("ring threads x3, sleep", [&] { test_ring(threads, 3, 0, 4 * n); });
   run_case("ring threads x4, spin", [&] { test_ring(threads, 4, spin, 4 * n); });
+  // Adaptive (a negative spin: its cap): budgets move between 0 and the cap.
+  const int64_t adaptive = -200000;
+  run_case("barrier threads x3, adaptive", [&] { test_barrier(threads, 3, adaptive, n); });
+  run_case("doorbell threads, adaptive", [&] { test_doorbell(threads, adaptive, n); });
+  run_case("ring threads x3, adaptive", [&] { test_ring(threads, 3, adaptive, 4 * n); });
   if (fork_cases) {
     run_case("barrier processes x3", [&] { test_barrier(procs, 3, 0, n); });
     run_case("doorbell processes", [&] { test_doorbell(procs, 0, n); });
     run_case("ring processes x2", [&] { test_ring(procs, 2, spin, 4 * n); });
+    run_case("barrier processes x3, adaptive", [&] { test_barrier(procs, 3, adaptive, n); });
   }
   std::printf("all core tests passed\n");
   return 0;

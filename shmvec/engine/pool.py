@@ -24,6 +24,7 @@ import cloudpickle
 from shmvec import _core
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.protocol import LIVENESS_CHECK_S
+from shmvec.start_method import worker_context
 from shmvec.worker import (
     InProcessWorker,
     LoopbackPipe,
@@ -137,7 +138,7 @@ class WorkerPool:
     def start_worker(self, index: int, **spec_changes: Any) -> tuple:
         """Starts the process of worker ``index`` (again, after a death); returns it
         and the main's end of its pipe."""
-        ctx = multiprocessing.get_context(self.context)
+        ctx = worker_context(self.context)
         rows = self.blocks[index]
         block = self.env_fns[rows.start : rows.stop]
         payload = block if ctx.get_start_method() == "fork" else _pickle_env_fns(block, rows)
