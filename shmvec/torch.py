@@ -7,19 +7,27 @@ Install with ``pip install shmvec[torch]``.
   ring, valid for ``ring_depth - 1`` further steps (the ring's rule); with
   ``copy=True`` they own their memory.
 - ``device="cuda"``: the whole segment is registered as pinned memory in place
-  (``cudaHostRegister``), so a ring slot is copied to the device by DMA, with
-  no pageable bounce: the copies run ``non_blocking`` on a dedicated stream
-  and record one CUDA event per ring slot; the current stream waits on that
-  event (no host sync), and before the workers may write a slot again the main
-  process waits for the slot's event. Actions given as CUDA tensors are copied
-  device -> pinned action slab directly. The env is switched to ``copy=False``:
-  host copies would only add a pageable hop. The segment is unregistered in
-  ``close()``, before it can be unmapped.
+  (``cudaHostRegister``), so results reach the device by DMA, with no pageable
+  bounce. When the env returns ring views (the bridge wraps the ShmVectorEnv
+  itself, fixed-size spaces), one step's observations, rewards and done flags
+  are one contiguous span of the ring slot: it travels as **one** copy into one
+  device buffer, and the tensors are views of that buffer (the reward cast to
+  ``reward_dtype``). Small spans are copied on the current stream, which costs
+  the fewest calls per step (a copy of a few KiB is cheaper than any stream
+  bookkeeping); spans of at least ``side_stream_bytes`` go on a dedicated
+  stream that the current stream then waits on, so that a large copy can
+  overlap GPU work queued earlier. Either way one CUDA event per ring slot is
+  recorded, and before the workers may write a slot again the main process
+  waits for its event. Results that are not ring views (vector wrappers in
+  between, pickled spaces) are copied leaf by leaf the same way. Actions given
+  as CUDA tensors are copied device -> pinned action slab directly. The env is
+  switched to ``copy=False``: host copies would only add a pageable hop. The
+  segment is unregistered in ``close()``, before it can be unmapped.
 
-Workers never touch CUDA, so creating the env after CUDA was initialized in the
-main process is safe with the default ``fork`` start method: the children only
-step envs. An env that itself uses CUDA needs ``context="spawn"`` (or
-``"forkserver"``), as with any forked process.
+Workers never touch CUDA. A process that has initialized CUDA is not safe to
+fork, though (a child aborts on its first CUDA call, e.g. freeing an inherited
+tensor), so once CUDA is initialized shmvec starts workers from a forkserver
+unless ``context`` says otherwise (shmvec/start_method.py).
 
 Example:
     >>> import gymnasium as gym
@@ -36,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -43,6 +52,11 @@ import torch
 from gymnasium.vector import VectorWrapper
 
 from shmvec.vector_env import ShmVectorEnv
+
+#: Spans from this size on are copied on the bridge's own stream. Not measured
+#: yet (no GPU lent so far): ~25 GB/s of pinned H2D bandwidth makes 1 MiB ~40 us,
+#: a few times the ~10 us that the side stream's extra calls cost per step.
+SIDE_STREAM_BYTES = 1 << 20
 
 
 class TorchVectorEnv(VectorWrapper):
@@ -52,6 +66,8 @@ class TorchVectorEnv(VectorWrapper):
         env: a ShmVectorEnv (``env.unwrapped`` must be one).
         device: where observations, rewards and done flags go.
         reward_dtype: dtype of the reward tensor (float32, as policies use).
+        side_stream_bytes: on CUDA, results of at least this many bytes per
+            step are copied on a stream of their own (see the module's doc).
     """
 
     def __init__(
@@ -59,6 +75,7 @@ class TorchVectorEnv(VectorWrapper):
         env: ShmVectorEnv,
         device: str | torch.device = "cpu",
         reward_dtype: torch.dtype = torch.float32,
+        side_stream_bytes: int = SIDE_STREAM_BYTES,
     ) -> None:
         super().__init__(env)
         shm = env.unwrapped
@@ -67,6 +84,7 @@ class TorchVectorEnv(VectorWrapper):
         self.shm = shm
         self.device = torch.device(device)
         self.reward_dtype = reward_dtype
+        self.side_stream_bytes = side_stream_bytes
         self._handoff = shm.handoff()
         slab = self._handoff.action_slab()
         self._slab = None if slab is None else torch.from_numpy(slab)
@@ -81,6 +99,7 @@ class TorchVectorEnv(VectorWrapper):
         address, size = handoff.region
         torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, size, 0))
         self._registered = True
+        self._packer = SpanPacker(handoff.region, self.device, self.reward_dtype)
         self._stream = torch.cuda.Stream(self.device)
         self._events = [torch.cuda.Event() for _ in range(handoff.num_slots)]
         self._pending = [False] * handoff.num_slots
@@ -120,18 +139,32 @@ class TorchVectorEnv(VectorWrapper):
         return converted
 
     def _convert(self, slot: int, obs, rewards=None, terminations=None, truncations=None):
-        """Tensors of one result; on CUDA, copied on the bridge's stream."""
+        """Tensors of one result; on CUDA, one span copy when the result is ring
+        views, else one copy per leaf; small ones on the current stream."""
         if self.device.type == "cpu":
             return self._tensors(obs, rewards, terminations, truncations)
+        result = [obs] if rewards is None else [obs, rewards, terminations, truncations]
+        span = self._packer.span(result) if self.env is self.shm else None
+        nbytes = span[1] - span[0] if span is not None else _nbytes(result)
         current = torch.cuda.current_stream(self.device)
+        if nbytes < self.side_stream_bytes:
+            converted = self._copy(span, result)
+            self._events[slot].record(current)
+            self._pending[slot] = True
+            return converted
         with torch.cuda.stream(self._stream):
-            converted = self._tensors(obs, rewards, terminations, truncations)
+            converted = self._copy(span, result)
             self._events[slot].record(self._stream)
         self._pending[slot] = True
         current.wait_event(self._events[slot])
         for tensor in _leaves(converted):
             tensor.record_stream(current)  # allocated on the bridge's stream
         return converted
+
+    def _copy(self, span, result: list) -> list:
+        if span is not None:
+            return self._packer.copy(span, result)
+        return self._tensors(*result, *([None] * (4 - len(result))))
 
     def _write_actions(self, actions: Any) -> bool:
         """Copies tensor actions into the slab; False if the env must write them.
@@ -170,6 +203,12 @@ class TorchVectorEnv(VectorWrapper):
             obs, rewards, terminations, truncations, infos = self.env.step(_to_numpy(actions))
         return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations), infos)
 
+    def async_reset(self, seed=None, options=None, env_ids=None) -> None:
+        """``ShmVectorEnv.async_reset``; ``recv()`` returns the results as tensors."""
+        self.shm.async_reset(
+            seed=seed, options=options, env_ids=None if env_ids is None else _to_numpy(env_ids)
+        )
+
     def send(self, actions, env_ids=None) -> None:
         """``ShmVectorEnv.send`` with torch or numpy actions and env ids."""
         self.shm.send(_to_numpy(actions), None if env_ids is None else _to_numpy(env_ids))
@@ -191,6 +230,73 @@ class TorchVectorEnv(VectorWrapper):
         super().close(**kwargs)
 
 
+class SpanPacker:
+    """One step's result, when it is views of one ring slot, as one copy.
+
+    The slot's columns (observation leaves, rewards, terminated, truncated) lie
+    one after another in the segment, so the bytes from the first to the end of
+    the last are one span: copied into one device buffer, each leaf is a view
+    of it at the same offset. Works for any ``device`` (the tests use the CPU).
+    """
+
+    def __init__(self, region: tuple[int, int], device: torch.device, reward_dtype) -> None:
+        address, size = region
+        self.address, self.size = address, size
+        host = (ctypes.c_uint8 * size).from_address(address)
+        self.host = torch.from_numpy(np.ctypeslib.as_array(host))
+        self.device = device
+        self.reward_dtype = reward_dtype
+
+    def span(self, result: list) -> tuple[int, int] | None:
+        """(start, end) offsets of the bytes holding every leaf of ``result``
+        (``[obs]`` or ``[obs, rewards, terminations, truncations]``), or None when
+        a leaf is not a contiguous numeric array inside the segment."""
+        start, end = self.size, 0
+        stack = list(result)
+        while stack:
+            leaf = stack.pop()
+            if isinstance(leaf, dict):
+                stack += leaf.values()
+                continue
+            if isinstance(leaf, tuple):
+                stack += leaf
+                continue
+            if not (isinstance(leaf, np.ndarray) and leaf.dtype != object):
+                return None  # a string (Text), a pickled value
+            if not leaf.flags.c_contiguous:
+                return None
+            offset = leaf.__array_interface__["data"][0] - self.address
+            if not 0 <= offset <= self.size - leaf.nbytes:
+                return None  # not a view of the ring (a wrapper made it)
+            start, end = min(start, offset), max(end, offset + leaf.nbytes)
+        return (start, end) if start < end else None
+
+    def copy(self, span: tuple[int, int], result: list) -> list:
+        """The leaves of ``result`` as views of one copy of ``span`` on the device
+        (on the current stream); rewards cast to ``reward_dtype``."""
+        start, end = span
+        buffer = torch.empty(end - start, dtype=torch.uint8, device=self.device)
+        buffer.copy_(self.host[start:end], non_blocking=True)
+
+        def view(leaf: Any) -> Any:
+            if isinstance(leaf, dict):
+                return {k: view(v) for k, v in leaf.items()}
+            if isinstance(leaf, tuple):
+                return tuple(view(v) for v in leaf)
+            offset = leaf.__array_interface__["data"][0] - self.address - start
+            dtype = torch.from_numpy(leaf[:0]).dtype
+            return buffer[offset : offset + leaf.nbytes].view(dtype).view(leaf.shape)
+
+        converted = [view(leaf) for leaf in result]
+        if len(converted) > 1:
+            converted[1] = converted[1].to(self.reward_dtype)
+        return converted
+
+
+def _nbytes(result: list) -> int:
+    return sum(leaf.nbytes for leaf in _leaves(result) if isinstance(leaf, np.ndarray))
+
+
 def _to_numpy(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().numpy()
@@ -202,7 +308,7 @@ def _to_numpy(value: Any) -> Any:
 
 
 def _leaves(tree: Any):
-    if isinstance(tree, torch.Tensor):
+    if isinstance(tree, (torch.Tensor, np.ndarray)):
         yield tree
     elif isinstance(tree, dict):
         for v in tree.values():

@@ -11,8 +11,11 @@ is not installed) and 1 MiB observations x16, each in one
 - ``TorchVectorEnv``: ``shmvec.torch.TorchVectorEnv(env, device=device)``, whose
   ring is pinned in place.
 
-Every step is followed by a GPU op on the observations and a synchronize, and
-the actions come from the device as a PPO loop's do (``actions.cpu().numpy()``
+Every way delivers the same payload to the device, each step's observations,
+rewards and terminated/truncated flags, as a PPO loop needs them (CleanRL's
+``ppo.py`` moves all four). Every step is followed by a GPU op on the
+observations and a synchronize, and the actions come from the device as a PPO
+loop's do (``actions.cpu().numpy()``
 for the plain copies; ``TorchVectorEnv`` takes the device tensor). The hand-off
 bandwidth is the observation bytes per step over the time a way adds to the
 baseline's step; beside it, the device's plain pinned ``cudaMemcpy`` bandwidth
@@ -90,25 +93,30 @@ def measure_case(
         space = env.action_space
         space.seed(0)
         actions = [space.sample() for _ in range(64)]
-        state = {"obs": obs}
+        first = env.step(actions[0])[:4]
+        state = {"result": first}
 
         def env_alone(i: int) -> None:
             env.step(actions[i % 64])
 
         def from_numpy(i: int) -> None:
-            on_device = torch.from_numpy(state["obs"]).to(device)
-            chosen = _actions_from(torch, on_device, num_actions)
+            on_device = [torch.from_numpy(a).to(device) for a in state["result"]]
+            chosen = _actions_from(torch, on_device[0], num_actions)
             _sync(torch, device)
-            state["obs"] = env.step(chosen.cpu().numpy())[0]
+            state["result"] = env.step(chosen.cpu().numpy())[:4]
 
-        pinned = torch.empty(obs.shape, dtype=torch.from_numpy(obs).dtype, pin_memory=cuda)
+        pinned = [
+            torch.empty(a.shape, dtype=torch.from_numpy(a).dtype, pin_memory=cuda) for a in first
+        ]
 
         def pinned_copy(i: int) -> None:
-            pinned.copy_(torch.from_numpy(state["obs"]))
-            on_device = pinned.to(device, non_blocking=True)
-            chosen = _actions_from(torch, on_device, num_actions)
-            _sync(torch, device)  # also: the pinned buffer may be written again
-            state["obs"] = env.step(chosen.cpu().numpy())[0]
+            on_device = []
+            for buffer, array in zip(pinned, state["result"]):
+                buffer.copy_(torch.from_numpy(array))
+                on_device.append(buffer.to(device, non_blocking=True))
+            chosen = _actions_from(torch, on_device[0], num_actions)
+            _sync(torch, device)  # also: the pinned buffers may be written again
+            state["result"] = env.step(chosen.cpu().numpy())[:4]
 
         row["env alone"] = _time_loop(env_alone, seconds, warmup_s)
         row["from_numpy"] = _time_loop(from_numpy, seconds, warmup_s)

@@ -176,3 +176,100 @@ def test_envs_and_restarts_after_cuda_work_never_kill_a_worker():
         finally:
             plain.close()
             reference.close()
+
+
+def _tuple_envs(n=4):
+    def make():
+        return gym.wrappers.TransformObservation(
+            gym.make("CartPole-v1"),
+            lambda o: (o.astype(np.float64), np.uint8(o[0] > 0)),
+            gym.spaces.Tuple(
+                (gym.spaces.Box(-np.inf, np.inf, (4,), np.float64), gym.spaces.Discrete(2))
+            ),
+        )
+
+    return shmvec.ShmVectorEnv([make] * n, num_workers=2, copy=False)
+
+
+def _assert_same_tree(tensors, arrays):
+    if isinstance(arrays, dict):
+        assert tensors.keys() == arrays.keys()
+        for key in arrays:
+            _assert_same_tree(tensors[key], arrays[key])
+    elif isinstance(arrays, tuple):
+        assert len(tensors) == len(arrays)
+        for t, a in zip(tensors, arrays):
+            _assert_same_tree(t, a)
+    else:
+        assert isinstance(tensors, torch.Tensor) and tensors.shape == arrays.shape
+        assert tensors.dtype == torch.from_numpy(arrays[:0]).dtype
+        np.testing.assert_array_equal(tensors.numpy(), arrays)
+
+
+@pytest.mark.parametrize("make", [cartpoles, dict_envs, _tuple_envs], ids=["box", "dict", "tuple"])
+def test_span_packer_copies_a_result_as_one_span(make):
+    """The CUDA bridge's one-copy hand-off, run on the CPU: every leaf of a step's
+    result is a view of one copied span, equal to what the env returned."""
+    from shmvec.torch import SpanPacker
+
+    envs = make(copy=False) if make is cartpoles else make()
+    envs.copy = False
+    try:
+        handoff = envs.handoff()
+        packer = SpanPacker(handoff.region, torch.device("cpu"), torch.float32)
+        obs, _ = envs.reset(seed=0)
+        span = packer.span([obs])
+        assert span is not None
+        (copied,) = packer.copy(span, [obs])
+        _assert_same_tree(copied, obs)
+        for t in range(30):
+            result = list(envs.step(np.full(4, t % 2)))[:4]
+            span = packer.span(result)
+            start, end = span
+            # One span holds every leaf and at most a cache line of padding each.
+            leaves = list(_numpy_leaves(result))
+            assert sum(a.nbytes for a in leaves) <= end - start
+            assert end - start <= sum(a.nbytes + 63 for a in leaves)
+            copied = packer.copy(span, result)
+            _assert_same_tree(copied[0], result[0])
+            assert copied[1].dtype == torch.float32
+            np.testing.assert_array_equal(copied[1].numpy(), result[1].astype(np.float32))
+            assert copied[2].dtype == torch.bool and copied[3].dtype == torch.bool
+            np.testing.assert_array_equal(copied[2].numpy(), result[2])
+            np.testing.assert_array_equal(copied[3].numpy(), result[3])
+            # The copy owns its memory: the ring moving on does not change it.
+            assert copied[1].data_ptr() != result[1].ctypes.data
+    finally:
+        envs.close()
+
+
+def _numpy_leaves(result):
+    for leaf in result:
+        if isinstance(leaf, dict):
+            yield from _numpy_leaves(list(leaf.values()))
+        elif isinstance(leaf, tuple):
+            yield from _numpy_leaves(list(leaf))
+        else:
+            yield leaf
+
+
+def test_span_packer_async_rows_and_refusals():
+    from shmvec.torch import SpanPacker
+
+    envs = cartpoles(n=8, batch_size=4, copy=False)
+    try:
+        packer = SpanPacker(envs.handoff().region, torch.device("cpu"), torch.float64)
+        envs.async_reset(seed=1)
+        for _ in range(20):
+            obs, rewards, terminations, truncations, infos = envs.recv()
+            result = [obs, rewards, terminations, truncations]
+            copied = packer.copy(packer.span(result), result)
+            np.testing.assert_array_equal(copied[0].numpy(), obs)
+            np.testing.assert_array_equal(copied[1].numpy(), rewards)
+            envs.send(np.ones(4, dtype=np.int64), infos["env_id"])
+        # Arrays that are not views of the ring, or not numeric, have no span.
+        assert packer.span([obs.copy()]) is None
+        assert packer.span([(obs, "text")]) is None
+        assert packer.span([obs[:, ::2]]) is None  # not contiguous
+    finally:
+        envs.close()
