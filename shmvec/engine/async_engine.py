@@ -61,6 +61,7 @@ class AsyncEngine:
             self.env_worker[rows.start : rows.stop] = index
         # Envs whose last result the user has (or that were never reset).
         self.awaiting = np.ones(num_envs, dtype=bool)
+        self.in_flight = 0  # envs not awaiting: a count, so recv() needs no scan
         self.was_reset = False
         self.recv_slot = 0
         self.held_slot: int | None = None
@@ -123,8 +124,9 @@ class AsyncEngine:
         self.env_commands[env_ids] = command
         self.last_command[env_ids] = command
         self.awaiting[env_ids] = False
-        workers = np.bincount(self.env_worker[env_ids], minlength=self.pool.num_workers)
-        for index in np.flatnonzero(workers).tolist():
+        self.in_flight += len(env_ids)
+        # A set, not a count per worker: the cost follows the batch, not num_workers.
+        for index in set(self.env_worker[env_ids].tolist()):
             self.doorbells[index].ring()
 
     def running(self, ids: np.ndarray) -> np.ndarray:
@@ -135,10 +137,9 @@ class AsyncEngine:
 
     def recv(self, timeout: float | None) -> tuple:
         """The next ``batch_size`` results, with ``infos["env_id"]``."""
-        in_flight = int(np.count_nonzero(~self.awaiting))
-        if in_flight < self.batch_size:
+        if self.in_flight < self.batch_size:
             raise RuntimeError(
-                f"recv() waits for batch_size={self.batch_size} results but only {in_flight} "
+                f"recv() waits for batch_size={self.batch_size} results but only {self.in_flight} "
                 "envs are running: send() actions first"
             )
         pool = self.pool
@@ -165,6 +166,7 @@ class AsyncEngine:
                 self.supervisor.replace_worker(error.worker, self.rounds, read)
         self.consumed_rows += self.batch_size
         self.awaiting[env_ids] = True
+        self.in_flight -= self.batch_size
         self.last_env_ids = env_ids
         self.held_slot = slot
         self.recv_slot = (slot + 1) % len(pool.slots)
@@ -172,8 +174,10 @@ class AsyncEngine:
         raise_errors(messages.values(), self.decoder)
         decoder = self.decoder
         obs = decoder.rows_obs(views, messages, self.batch_size)
-        workers = self.env_worker[env_ids]
-        groups = [np.flatnonzero(workers == index) for index in range(pool.num_workers)]
+        groups = []  # the rows each worker wrote: needed for info columns only
+        if any(decoder.schemas):
+            workers = self.env_worker[env_ids]
+            groups = [np.flatnonzero(workers == index) for index in range(pool.num_workers)]
         infos = decoder.merge_infos(views, groups, messages.values(), self.batch_size)
         if "env_error" in infos:
             self.stats.note_env_resets(infos, env_ids)
