@@ -417,9 +417,14 @@ class SegmentLayout:
 
         Each worker's cache line: this flag (bytes 0..3), the env it is stepping
         (4..7), busy nanoseconds (8..15), its last finished generation (16..19),
-        when it began its current env (24..31, async mode).
+        when it began its current env (24..31, async mode), how many of its envs
+        it steps at once (32..35, shmvec.concurrent_envs).
         """
         return self._worker_u32(buffer, 0)
+
+    def worker_env_threads(self, buffer) -> np.ndarray:
+        """uint32 per worker: how many of its envs it steps at once (1: serially)."""
+        return self._worker_u32(buffer, 8)  # bytes 32..35
 
     def worker_current_env(self, buffer) -> np.ndarray:
         """uint32 per worker: 1 + the env it is stepping, 0 between envs."""

@@ -142,6 +142,13 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         ring_depth: result slots in the ring (>= 2).
         spin_ns: how long a waiter (main or worker) spins before it sleeps on
             its futex; default ``shmvec.spin.default_spin``.
+        env_concurrency: how many of its envs a worker may step at once. None
+            (default): automatic: a worker whose envs mostly wait (sleeps,
+            sockets, subprocesses: their step releases the GIL) steps up to
+            its whole block at once in threads, as measured on a few steps; a
+            worker whose envs compute steps them one after another. An int caps
+            that choice (``1``: never). ``stats()["worker_env_threads"]`` shows
+            the choice (shmvec/concurrent_envs.py).
     """
 
     def __init__(
@@ -167,6 +174,7 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         step_in_main: bool = False,
         fallback: str | None = None,
         validate_actions: bool = False,
+        env_concurrency: int | None = None,
     ) -> None:
         self.closed = True  # until the workers are up; close() is then a no-op
         env_fns = _check_env_fns(env_fns)
@@ -211,6 +219,9 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             )
         self._spin_ns = spin_ns
         self._configure_workers(num_workers, step_in_main)
+        self.env_concurrency = _check_env_concurrency(
+            env_concurrency, self.max_concurrency, self.num_workers
+        )
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
         if not 1 <= self.batch_size <= self.num_envs:
             raise ValueError(
@@ -353,6 +364,8 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
             main_pid=os.getpid(),
             use_death_signal=threading.current_thread() is threading.main_thread(),
             on_env_error=self.on_env_error,
+            # The main process's own block (step_in_main) is stepped serially.
+            env_concurrency=1 if index == 0 and self.step_in_main else self.env_concurrency,
         )
 
     def _spawn_workers(self, env_fns: list) -> None:
@@ -843,17 +856,27 @@ class ShmVectorEnv(AsyncRollouts, VectorEnv):
         Returns a dict: ``steps`` (env steps returned), ``steps_per_s``,
         ``episodes`` (episodes ended), ``main_wait_fraction`` (time the main
         process spent waiting for results), ``worker_busy_fraction`` (per
-        worker: time spent in env code and writing results), ``worker_restarts``
+        worker: time spent in env code and writing results),
+        ``worker_cpu_fraction`` (per worker: CPU time of its process, all
+        threads, over the elapsed time; for the main process's own block with
+        ``step_in_main``, the main process's), ``worker_env_threads`` (per worker:
+        envs it steps at once, see ``env_concurrency``), ``worker_restarts``
         and ``env_resets`` (envs reset after an exception, ``on_env_error``).
         """
         elapsed = time.perf_counter() - self._stats_started
-        busy_ns = self._layout.worker_busy_ns(memoryview(self._segment))
+        buffer = memoryview(self._segment)
+        busy_ns = self._layout.worker_busy_ns(buffer)
         return {
             "steps": self._stats_steps,
             "steps_per_s": self._stats_steps / elapsed if elapsed > 0 else 0.0,
             "episodes": self._stats_episodes,
             "main_wait_fraction": self._stats_wait_s / elapsed if elapsed > 0 else 0.0,
             "worker_busy_fraction": (busy_ns / 1e9 / elapsed).tolist() if elapsed > 0 else [],
+            "worker_cpu_fraction": [
+                _cpu_seconds(process.pid) / elapsed if elapsed > 0 else 0.0
+                for process in self._workers
+            ],
+            "worker_env_threads": self._layout.worker_env_threads(buffer).tolist(),
             "elapsed_s": elapsed,
             "worker_restarts": self._stats_restarts,
             "env_resets": self._stats_env_resets,
@@ -1238,6 +1261,29 @@ def _check_max_concurrency(value) -> int | None:
     if value < 1:
         raise ValueError(f"`max_concurrency` must be a positive or None, got {value}.")
     return int(value)
+
+
+def _check_env_concurrency(value, max_concurrency: int | None, num_workers: int) -> int | None:
+    """The per-worker cap of envs stepped at once; ``max_concurrency`` bounds it
+    too (at most that many envs inside ``step`` over all workers)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"env_concurrency must be None or an int >= 1, got {value!r}")
+    if max_concurrency is not None:
+        per_worker = max(1, max_concurrency // num_workers)
+        value = per_worker if value is None else min(value, per_worker)
+    return value
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) of process ``pid`` so far; 0.0 if
+    it cannot be read (gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # fields[11], fields[12]: utime, stime (fields 14, 15 of proc(5), in clock ticks)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _check_reset_mask(mask, num_envs: int) -> np.ndarray:

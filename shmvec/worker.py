@@ -27,6 +27,7 @@ import cloudpickle
 import numpy as np
 
 from shmvec import _core, _worker_loop
+from shmvec.concurrent_envs import ConcurrentEnvs
 from shmvec.errors import add_note
 from shmvec.layout import SegmentLayout, WordBytes, make_codec
 
@@ -70,6 +71,8 @@ class WorkerSpec:
     # Worker.recover_async.
     recover: tuple | None = None
     info_schema: dict | None = None  # the dead worker's info columns, kept
+    # Envs stepped at once at most (shmvec.concurrent_envs); None: up to the block.
+    env_concurrency: int | None = None
 
 
 class SegmentFd:
@@ -286,11 +289,22 @@ class Worker:
             self.env_started = self.layout.worker_env_started_ns(buffer)[
                 spec.index : spec.index + 1
             ]
+        # Envs that wait are stepped several at once (shmvec/concurrent_envs.py);
+        # hooked in at step(), poll_async() and the spin of the command waits.
+        self.concurrency = ConcurrentEnvs(
+            len(envs),
+            spec.first_env,
+            spec.env_concurrency,
+            self.current_env,
+            self.env_started if spec.batch_size < spec.num_envs else None,
+            self.layout.worker_env_threads(buffer)[line],
+        )
 
     def serve(self) -> None:
         """Sync mode: one barrier round per command."""
         while True:
-            command = self.barrier.wait_command(self.generation, self.spec.spin_ns, WATCHDOG_NS)
+            spin_ns = self.concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
+            command = self.barrier.wait_command(self.generation, spin_ns, WATCHDOG_NS)
             if command is None:
                 self._check_main()
                 continue
@@ -301,7 +315,8 @@ class Worker:
         """Async mode: run envs as their commands arrive; barrier commands too."""
         rings = 0
         while True:
-            seen = self.doorbell.wait(rings, self.spec.spin_ns, WATCHDOG_NS)
+            spin_ns = self.concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
+            seen = self.doorbell.wait(rings, spin_ns, WATCHDOG_NS)
             if seen is None:
                 self._check_main()
                 continue
@@ -316,10 +331,13 @@ class Worker:
     def poll_async(self) -> bool:
         """Runs a barrier command if one was posted, then every env that has a
         command; False once the worker must exit."""
-        if self.barrier.generation_now() != self.generation and not self.poll_sync():
-            return False
+        if self.barrier.generation_now() != self.generation:
+            self.concurrency.drain()  # hook: no env thread runs during call/set_attr/close
+            if not self.poll_sync():
+                return False
         started = time.perf_counter_ns()
-        _worker_loop.step_pending(
+        # hook: _worker_loop.step_pending, or concurrent_envs' threaded stand-in
+        self.concurrency.pending_function()(
             self.stepper,
             self.ring,
             self.envs,
@@ -404,7 +422,8 @@ class Worker:
             action_views[self.rows.start : self.rows.stop] = self._recv("actions")
         views = self.slots[slot]
         obs_target = self._obs_target(slot)
-        infos, errors, announced = _worker_loop.step_envs(
+        # hook: _worker_loop.step_envs, or concurrent_envs' threaded stand-in
+        infos, errors, announced = self.concurrency.step_function()(
             self.stepper,
             self.envs,
             self.spec.first_env,
