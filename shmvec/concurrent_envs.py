@@ -6,8 +6,9 @@ sleep). A worker that steps its block one env after the other then waits for
 each in turn. Here a worker measures, on a few probe steps, how much of an
 env's step is spent blocked (wall time less CPU time less time spent runnable
 but not running); when it is most of it, the worker steps its envs with a pool
-of threads, one per env of its block (or ``env_concurrency``, if less). CPU-bound envs keep the single-threaded Cython loop; a
-probe costs a few ``env.step`` calls every ``REPROBE_ROUNDS`` rounds.
+of threads, one per env of its block (or ``env_concurrency``, if less).
+CPU-bound envs keep the single-threaded Cython loop; a probe costs a few
+``env.step`` calls every ``REPROBE_ROUNDS`` rounds.
 
 Why threads in the worker, not more processes: a waiting env needs no core,
 only somewhere to wait; a thread costs ~100 KiB where a process with its own
@@ -26,8 +27,10 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -35,10 +38,11 @@ import numpy as np
 
 from shmvec import _worker_loop
 
-# A step counts as waiting when at least this share of its wall time is spent
-# blocked (neither running nor runnable). CPU-bound envs measure ~0.0-0.05
-# here even on an oversubscribed machine (time on the run queue is not counted
-# as blocked); an env that sleeps 5 ms per step measures ~0.99.
+# A step counts as waiting when at least this share of the time it was on a
+# CPU or blocked is spent blocked. Time spent runnable but not running (on the
+# run queue of a busy machine) counts as neither: under load it is most of a
+# waiting env's wall time too (measured: 3.0 ms of 6.7 ms, sleeps of ~1.6 ms).
+# CPU-bound envs measure ~0.0-0.05; an env that sleeps 5 ms per step ~0.99.
 WAITING_FRACTION = 1 / 3
 # A probe decides after this many env steps, or sooner once they took this long.
 PROBE_STEPS = 16
@@ -85,10 +89,10 @@ def threads_for(wall_ns: int, cpu_ns: int, run_delay_ns: int, limit: int) -> int
     workers: 5.9k steps/s with k = wall/cpu = 96 of 128, 11k+ with 128). An
     idle thread costs only its stack.
     """
-    if limit <= 1 or wall_ns <= 0:
-        return 1
     blocked = wall_ns - cpu_ns - run_delay_ns
-    return 1 if blocked < WAITING_FRACTION * wall_ns else limit
+    if limit <= 1 or blocked <= 0:
+        return 1
+    return 1 if blocked < WAITING_FRACTION * (blocked + cpu_ns) else limit
 
 
 class ConcurrencyGovernor:
@@ -104,26 +108,34 @@ class ConcurrencyGovernor:
         self._steps = self._wall = self._cpu = self._delay = 0
 
     def probe_due(self) -> bool:
-        """Called once per serial round: True when this round should be a probe."""
-        if self._countdown < 0:
-            return False
-        if self._countdown == 0:
-            self._countdown = REPROBE_ROUNDS
-            return True
+        """Called once per serial round: True when this round should be a probe
+        (until a probe has seen two env steps, every round is)."""
+        if self._countdown <= 0:
+            return self._countdown == 0
         self._countdown -= 1
         return False
 
     def add(self, before: tuple[int, int, int], after: tuple[int, int, int]) -> bool:
-        """Adds one env step's samples; True once the probe has decided."""
+        """Adds one env step's samples; True if the probe decided already (the
+        steps took long enough to tell)."""
         self._steps += 1
         self._wall += after[0] - before[0]
         self._cpu += after[1] - before[1]
         self._delay += after[2] - before[2]
-        if self._steps < 2 or (self._steps < PROBE_STEPS and self._wall < PROBE_WALL_NS):
-            return False
+        if self._steps >= PROBE_STEPS or (self._steps >= 2 and self._wall >= PROBE_WALL_NS):
+            self._decide()
+            return True
+        return False
+
+    def finish(self) -> None:
+        """The end of a probe round: decides if it saw enough steps."""
+        if self._steps >= 2:
+            self._decide()
+
+    def _decide(self) -> None:
         self.threads = threads_for(self._wall, self._cpu, self._delay, self.limit)
         self._reset_totals()
-        return True
+        self._countdown = REPROBE_ROUNDS
 
 
 class EnvThreadPool:
@@ -150,7 +162,11 @@ class EnvThreadPool:
 
     def _serve(self) -> None:
         while True:
-            self._tasks.get()()
+            task = self._tasks.get()
+            try:
+                task()
+            except BaseException:  # noqa: BLE001 - a shmvec bug: say so, keep the thread
+                traceback.print_exc(file=sys.stderr)
 
     def map(self, function: Callable[[int], Any], items: list[int]) -> list:
         """``[function(item) ...]`` run by the pool while the caller waits; an
@@ -242,10 +258,11 @@ class ConcurrentEnvs:
         self._threads_word = threads_word
         self._probe: WaitProbe | None = None
         self._claimed = np.zeros(block_size, dtype=bool)  # async: env queued or running
-        # The worker's pipe, one lock each way: a thread waiting for its reset's
-        # seed must not hold up the others' messages.
+        # Reading the worker's pipe (a reset's seed), apart from row_lock: a
+        # thread waiting for its seed must not hold up the others' messages.
         self._recv_lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        # From a row's claim to its message's send (see _worker_loop.step_pending).
+        self._row_lock = threading.Lock()
         self._publish_threads()
 
     @property
@@ -292,7 +309,9 @@ class ConcurrentEnvs:
                 if self.governor.threads > 1 and i + 1 < len(envs):
                     rest = self._step_threaded(stepper, envs, first_row, *args, start=i + 1)
                     _extend(infos, errors, announced, rest)
-                    break
+                    return infos, errors, announced
+        self.governor.finish()
+        self._decided()
         return infos, errors, announced
 
     @staticmethod
@@ -348,23 +367,27 @@ class ConcurrentEnvs:
 
     def _pending_probing(self, stepper, ring, envs, first_env, commands, *args) -> None:
         for i in range(len(envs)):
-            if not commands[i]:
+            command = commands[i]
+            if not command:
                 continue
             before = self._sample()
             # args[6], args[10]: the worker's current_env and env_started words
             self._run_pending(stepper, ring, envs, first_env, commands, args, i, args[6], args[10])
             after = self._sample()
-            if self.governor.add(before, after):
+            # A reset tells nothing of the steps (the first commands are resets).
+            if command == _worker_loop.ENV_STEP and self.governor.add(before, after):
                 self._decided()
                 if self.governor.threads > 1:
                     self._pending_threaded(stepper, ring, envs, first_env, commands, *args)
                     return
+        self.governor.finish()
+        self._decided()
 
     @staticmethod
     def _run_pending(stepper, ring, envs, first_env, commands, args, i, current_env,
                      env_started) -> None:  # fmt: skip
         (take_reset_args, action_views, slots, info_columns, autoreset, send_message,
-         _current, on_error, restarted, restart, _started) = args  # fmt: skip
+         _current, on_error, restarted, restart, _started, *row_lock) = args  # fmt: skip
         _worker_loop.step_pending(
             stepper,
             ring,
@@ -382,6 +405,7 @@ class ConcurrentEnvs:
             None if restarted is None else restarted[i : i + 1],
             _shifted(restart, i),
             env_started,
+            *row_lock,
         )
 
     def _pending_threaded(self, stepper, ring, envs, first_env, commands, *args) -> None:
@@ -391,8 +415,9 @@ class ConcurrentEnvs:
         locked_args = (
             _locked(take_reset_args, self._recv_lock),
             *args[1:5],
-            _locked(send_message, self._send_lock),
+            send_message,  # under row_lock
             *args[6:],
+            self._row_lock,
         )
         running, claimed = self.running, self._claimed
         for i in np.flatnonzero(commands).tolist():
@@ -412,9 +437,11 @@ class ConcurrentEnvs:
                     finally:
                         with running.lock:
                             running.end(i)
-                            if not commands[i]:
+                            again = bool(commands[i])
+                            if not again:
                                 claimed[i] = False
-                                return
+                    if not again:
+                        return
 
             self.pool.submit(task)
 
