@@ -25,6 +25,8 @@ This module is the mechanism; ``shmvec.worker`` hooks it in at three places
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import queue
 import sys
@@ -51,6 +53,12 @@ PROBE_WALL_NS = 5_000_000
 # later, e.g. once an episode reaches its tool calls). A probe round of 8
 # CartPole envs costs ~20 µs more than the plain loop: 0.1 µs a round here.
 REPROBE_ROUNDS = 256
+# While threads step a sync round, the worker's main thread names the first
+# env not done yet this often (for env_timeout's message; the timeout itself
+# is the main process's).
+WAIT_POLL_S = 0.1
+# A result of EnvThreadPool.map not in yet.
+PENDING = object()
 
 
 class WaitProbe:
@@ -168,12 +176,13 @@ class EnvThreadPool:
             except BaseException:  # noqa: BLE001 - a shmvec bug: say so, keep the thread
                 traceback.print_exc(file=sys.stderr)
 
-    def map(self, function: Callable[[int], Any], items: list[int]) -> list:
-        """``[function(item) ...]`` run by the pool while the caller waits; an
-        exception is returned in place."""
-        results: list = [None] * len(items)
-        remaining = [len(items)]
-        count_lock = threading.Lock()
+    def map(self, function: Callable[[int], Any], items: list[int], on_wait=None) -> list:
+        """``[function(item) ...]`` run by the pool while the caller waits,
+        calling ``on_wait(results)`` every ``WAIT_POLL_S``; an exception is
+        returned in place of its result, and a result not yet in is ``PENDING``."""
+        results: list = [PENDING] * len(items)
+        finished = itertools.count(1)  # next() is atomic under the GIL: no lock
+        last = len(items)
         done = threading.Lock()
         done.acquire()
 
@@ -182,15 +191,16 @@ class EnvThreadPool:
                 results[k] = function(items[k])
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 results[k] = exc
-            with count_lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
+            if next(finished) == last:
                 done.release()
 
+        put = self._tasks.put
         for k in range(len(items)):
-            self._tasks.put(lambda k=k: run(k))
-        done.acquire()  # the worker's watchdog thread still notices the main's death
+            put(functools.partial(run, k))
+        # The worker's watchdog thread notices the main's death meanwhile.
+        while not done.acquire(timeout=WAIT_POLL_S):
+            if on_wait is not None:
+                on_wait(results)
         return results
 
 
@@ -257,6 +267,8 @@ class ConcurrentEnvs:
         self.running = RunningEnvs(first_env, current_env, env_started)
         self._threads_word = threads_word
         self._probe: WaitProbe | None = None
+        self._per_env_key: tuple | None = None
+        self._per_env: list = []
         self._claimed = np.zeros(block_size, dtype=bool)  # async: env queued or running
         # Reading the worker's pipe (a reset's seed), apart from row_lock: a
         # thread waiting for its seed must not hold up the others' messages.
@@ -334,25 +346,47 @@ class ConcurrentEnvs:
         )
 
     def _step_threaded(self, stepper, envs, first_row, *args, start: int = 0) -> tuple:
-        running = self.running
+        (action_views, obs_views, rewards, terminations, truncations, autoreset, info_columns,
+         current_env, on_error) = args  # fmt: skip
+        per_env = self._per_env_args(envs, autoreset, on_error)
+        step_envs = _worker_loop.step_envs
 
         def step(i: int) -> tuple:
-            running.begin(i)
-            try:
-                return self._step_one(
-                    stepper, envs, first_row, args, i, np.zeros(1, dtype=np.uint32)
-                )
-            finally:
-                with running.lock:
-                    running.end(i)
+            env, env_autoreset, env_current, env_on_error = per_env[i]
+            return step_envs(stepper, env, first_row + i, action_views, obs_views, rewards,
+                             terminations, truncations, env_autoreset, info_columns,
+                             env_current, env_on_error)  # fmt: skip
 
-        parts = self.pool.map(step, list(range(start, len(envs))))
+        def name_first_pending(results: list) -> None:
+            # Only for a timeout's message ("stuck in env N").
+            for k, result in enumerate(results):
+                if result is PENDING:
+                    current_env[0] = first_row + start + k + 1
+                    return
+
+        current_env[0] = first_row + start + 1
+        parts = self.pool.map(step, list(range(start, len(envs))), name_first_pending)
+        current_env[0] = 0
         infos, errors, announced = [], [], []
         for part in parts:
             if isinstance(part, BaseException):
                 raise part  # not an env's exception (those are in part[1]): a bug
             _extend(infos, errors, announced, part)
         return infos, errors, announced
+
+    def _per_env_args(self, envs: list, autoreset, on_error) -> list:
+        """Per env of the block: (``[env]``, its autoreset flag, a scratch
+        current_env word, ``on_error`` for it), made once (the worker passes the
+        same objects every round)."""
+        key = (envs, autoreset, on_error)
+        if self._per_env_key is None or any(a is not b for a, b in zip(key, self._per_env_key)):
+            self._per_env_key = key
+            self._per_env = [
+                (envs[i : i + 1], autoreset[i : i + 1], np.zeros(1, dtype=np.uint32),
+                 _shifted(on_error, i))
+                for i in range(len(envs))
+            ]  # fmt: skip
+        return self._per_env
 
     # ---------------------------------------------------------- async mode
 
