@@ -19,6 +19,7 @@ import http.client
 import json
 import multiprocessing
 import os
+import socket
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -33,6 +34,7 @@ class ToolHandler(BaseHTTPRequestHandler):
     """POST /tool {"state": [...], "tool": k} -> {"state": [...], "reward": r}."""
 
     protocol_version = "HTTP/1.1"  # keep-alive: one connection per env
+    disable_nagle_algorithm = True  # else headers, then body: a 40 ms delayed ACK
     latency_s = 0.005
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
@@ -53,6 +55,7 @@ class ToolHandler(BaseHTTPRequestHandler):
 def serve(port_pipe, latency_s: float) -> None:
     """The tool service (in a child process): loopback only, any free port."""
     ToolHandler.latency_s = latency_s
+    ThreadingHTTPServer.request_queue_size = 1024  # every env connects at once
     server = ThreadingHTTPServer(("127.0.0.1", 0), ToolHandler)
     server.daemon_threads = True
     port_pipe.send(server.server_address[1])
@@ -71,7 +74,9 @@ class ToolEnv(gym.Env):
     def _call(self, state: list[int], tool: int) -> dict:
         if self.connection is None:
             self.connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        body = json.dumps({"state": state, "tool": int(tool)})
+            self.connection.connect()
+            self.connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        body = json.dumps({"state": state, "tool": int(tool)}).encode()
         self.connection.request("POST", "/tool", body, {"Content-Type": "application/json"})
         return json.loads(self.connection.getresponse().read())
 
