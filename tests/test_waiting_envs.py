@@ -310,9 +310,11 @@ def test_env_timeout_in_async_mode_with_threads():
     rng = np.random.default_rng(0)
     try:
         envs.async_reset(seed=0)
-        for _ in range(10):
+        for _ in range(60):  # each worker decides once it has seen two of its envs' steps
             ids = envs.recv()[4]["env_id"]
             envs.send(rng.integers(0, 4, len(ids)), ids)
+            if envs.stats()["worker_env_threads"] == [3, 3]:
+                break
         assert envs.stats()["worker_env_threads"] == [3, 3]
         envs.set_attr("block", [False, False, False, False, True, False])
         started, restarted = time.monotonic(), set()
