@@ -180,6 +180,8 @@ class EnvThreadPool:
         """``[function(item) ...]`` run by the pool while the caller waits,
         calling ``on_wait(results)`` every ``WAIT_POLL_S``; an exception is
         returned in place of its result, and a result not yet in is ``PENDING``."""
+        if not items:
+            return []  # nothing would release ``done``
         results: list = [PENDING] * len(items)
         finished = itertools.count(1)  # next() is atomic under the GIL: no lock
         last = len(items)
@@ -212,7 +214,7 @@ class RunningEnvs:
 
     def __init__(self, first_env: int, current_env, env_started=None) -> None:
         self._first = first_env
-        self._current = current_env
+        self.current_env = current_env
         self._started_word = env_started
         self._started: dict[int, int] = {}  # in start order: the first is the oldest
         self.lock = threading.Lock()
@@ -229,12 +231,12 @@ class RunningEnvs:
 
     def _publish(self) -> None:
         if not self._started:
-            self._current[0] = 0
+            self.current_env[0] = 0
             return
         oldest = next(iter(self._started))
         if self._started_word is not None:
             self._started_word[0] = self._started[oldest]
-        self._current[0] = self._first + oldest + 1
+        self.current_env[0] = self._first + oldest + 1
 
 
 def _shifted(callback, i: int):
@@ -387,6 +389,31 @@ class ConcurrentEnvs:
                 for i in range(len(envs))
             ]  # fmt: skip
         return self._per_env
+
+    def map_envs(self, function: Callable[[int], Any], indices: list[int]) -> list:
+        """``[function(i) for i in indices]`` (i: an env of the block), in
+        threads once this worker's envs wait (sync mode's resets)."""
+        current_env = self.running.current_env
+        if self.governor.threads <= 1:
+            results = []
+            for i in indices:
+                current_env[0] = self.first_env + i + 1
+                results.append(function(i))
+            return results
+
+        def name_first_pending(results: list) -> None:
+            for i, result in zip(indices, results):
+                if result is PENDING:
+                    current_env[0] = self.first_env + i + 1
+                    return
+
+        if indices:
+            current_env[0] = self.first_env + indices[0] + 1
+        results = self.pool.map(function, indices, name_first_pending)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result  # function catches the envs' exceptions: a bug
+        return results
 
     # ---------------------------------------------------------- async mode
 

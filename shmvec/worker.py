@@ -548,18 +548,23 @@ class Worker:
         # Reset infos are pickled (resets are rare): clear this block's columns.
         self.slots[slot].info_codes[self.rows.start : self.rows.stop] = 0
         infos, errors = [], []
-        for i, (env, row) in enumerate(zip(self.envs, self.rows)):
-            self.current_env[0] = row + 1
-            if mask is not None and not mask[i]:
-                continue
+
+        def reset_env(i: int) -> tuple:
             try:
-                obs, info = env.reset(seed=seeds[i], options=options[i])
-                self.obs_codec.write(obs_target, row, obs)
+                obs, info = self.envs[i].reset(seed=seeds[i], options=options[i])
+                self.obs_codec.write(obs_target, self.rows[i], obs)
                 self.autoreset[i] = 0
-                if info:
-                    infos.append((row, [info]))
+                return info, None
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
-                errors.append((row, exc, traceback.format_exc()))
+                return None, (exc, traceback.format_exc())
+
+        todo = [i for i in range(len(self.envs)) if mask is None or mask[i]]
+        # hook: concurrent_envs resets waiting envs in threads too; results by row
+        for i, (info, error) in zip(todo, self.concurrency.map_envs(reset_env, todo)):
+            if error is not None:
+                errors.append((self.rows[i], *error))
+            elif info:
+                infos.append((self.rows[i], [info]))
         return self._message(infos, errors, obs_target)
 
     def call(self, name: str, args: tuple, kwargs: dict) -> dict:

@@ -44,9 +44,13 @@ class WaitingEnv(gym.Env):
         self.action_space = spaces.Discrete(4)
         self.block = False  # set_attr("block", True): the next step never returns
         self.boom_at = -1  # set_attr("boom_at", t): the step reaching t raises
+        self.boom_on_reset = False
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
+        if getattr(self, "boom_on_reset", False):
+            raise RuntimeError(f"sandbox of env {self.index} failed to start")
+        time.sleep(self.sleep_rng.uniform(0, self.max_sleep))  # a sandbox starting
         self.t = 0
         self.offset = float(self.np_random.integers(100))
         return np.array([0.0, -1.0, self.offset]), {"start": self.index}
@@ -151,6 +155,7 @@ def test_pool_map_keeps_item_order_and_returns_exceptions():
     assert results[:5] == [0, 1, 4, 9, 16] and results[6:] == [36, 49, 64, 81]
     assert isinstance(results[5], ValueError)
     assert pool.size == 4
+    assert pool.map(work, []) == []  # nothing to wait for: no hang
 
 
 # ----------------------------------------------- equivalence with gymnasium
@@ -351,3 +356,19 @@ def test_an_exception_in_a_threaded_env():
         assert obs[2, 0] == 0 and obs[3, 0] == 5
     finally:
         envs.close()
+
+
+def test_resets_in_threads_match_and_raise():
+    envs = started_threaded()
+    reference = SyncVectorEnv(waiting_fns(4, episode_len=1000))
+    try:
+        assert_same(envs.reset(seed=11), reference.reset(seed=11))  # threaded now
+        mask = np.array([True, False, True, True])
+        got = envs.reset(seed=12, options={"reset_mask": mask.copy()})
+        assert_same(got, reference.reset(seed=12, options={"reset_mask": mask.copy()}))
+        envs.set_attr("boom_on_reset", [False, False, True, False])
+        with pytest.raises(RuntimeError, match="sandbox of env 2 failed to start"):
+            envs.reset(seed=0)
+    finally:
+        envs.close()
+        reference.close()
