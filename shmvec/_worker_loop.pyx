@@ -427,6 +427,7 @@ def step_pending(
     uint8_t[::1] restarted=None,
     object restart=None,
     uint64_t[::1] env_started=None,
+    object row_lock=None,
 ):
     """Async mode: runs every env of the block that has a command, in env order.
 
@@ -448,6 +449,9 @@ def step_pending(
     with nothing left to do (its envs' commands clear, ``current_env`` 0).
     ``env_started[0]`` gets the CLOCK_MONOTONIC time each env begins
     (``env_timeout``).
+    ``row_lock``: held from the claim of a row to the send of its message when
+    threads run this for single envs (shmvec/concurrent_envs.py): the main
+    process reads a worker's row messages in the order the rows were claimed.
     """
     cdef timespec now
     cdef Py_ssize_t i, env_id
@@ -478,6 +482,8 @@ def step_pending(
             autoreset[i] = 1 if (result[2] or result[3]) else 0
         except Exception as exc:  # noqa: BLE001 - re-raised in the main process
             error = (env_id, exc, _format_exc())
+        if row_lock is not None:  # hook: concurrent_envs (released after the send)
+            row_lock.acquire()
         with nogil:
             ref = ring.ring.claim()
         slot = slots[ref.slot]
@@ -510,6 +516,8 @@ def step_pending(
         if message is not None:
             message["row"] = (ref.slot, ref.row)
             send_message(message)
+        if row_lock is not None:
+            row_lock.release()
     current_env[0] = 0
 
 

@@ -33,6 +33,7 @@ from shmvec.protocol import (
     LINE_BUSY_NS,
     LINE_CURRENT_ENV,
     LINE_ENV_STARTED_NS,
+    LINE_ENV_THREADS,
     LINE_FINISHED,
     LINE_MESSAGE,
 )
@@ -424,9 +425,14 @@ class SegmentLayout:
 
         Each worker's cache line holds the words of shmvec/protocol.py's
         ``LINE_*`` indices: this flag, the env it is stepping, busy nanoseconds,
-        its last finished generation, when it began its current env.
+        its last finished generation, when it began its current env, how many
+        of its envs it steps at once.
         """
         return self._worker_u32(buffer, LINE_MESSAGE)
+
+    def worker_env_threads(self, buffer) -> np.ndarray:
+        """uint32 per worker: how many of its envs it steps at once (1: serially)."""
+        return self._worker_u32(buffer, LINE_ENV_THREADS)
 
     def worker_current_env(self, buffer) -> np.ndarray:
         """uint32 per worker: 1 + the env it is stepping, 0 between envs."""

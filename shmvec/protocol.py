@@ -22,7 +22,8 @@ Three channels, defined here and nowhere else:
      clears it when it reads the message), ``LINE_CURRENT_ENV`` (1 + the env
      being stepped, 0 between envs: timeouts name it), ``LINE_FINISHED``
      (the last barrier generation finished: a restart round ends without the
-     barrier's count). uint64 words: ``LINE_BUSY_NS`` (time serving
+     barrier's count), ``LINE_ENV_THREADS`` (how many of its envs it steps at
+     once, shmvec/concurrent_envs.py). uint64 words: ``LINE_BUSY_NS`` (time serving
      commands, for ``stats()``), ``LINE_ENV_STARTED_NS`` (CLOCK_MONOTONIC when
      the current env began, async mode's ``env_timeout``). The worker writes
      all of them *before* it arrives at the barrier, whose release ordering
@@ -81,6 +82,7 @@ LINE_CURRENT_ENV = 1  # uint32, bytes 4..7
 LINE_BUSY_NS = 1  # uint64, bytes 8..15
 LINE_FINISHED = 4  # uint32, bytes 16..19
 LINE_ENV_STARTED_NS = 3  # uint64, bytes 24..31
+LINE_ENV_THREADS = 8  # uint32, bytes 32..35
 
 #: ``env_ids`` of a ring row that no worker has written since main released it.
 UNWRITTEN = -1

@@ -121,6 +121,13 @@ class ShmVectorEnv(VectorEnvBase):
             list seeds/options (GRPO-style grouped rollouts).
         ring_depth: result slots in the ring (>= 2).
         spin_ns: how long a waiter spins before it sleeps (``shmvec.spin``).
+        env_concurrency: how many of its envs a worker may step at once. None
+            (default): automatic: a worker whose envs mostly wait (sleeps,
+            sockets, subprocesses: their step releases the GIL) steps its
+            whole block at once in threads, as measured on a few steps; one
+            whose envs compute steps them one after another. An int caps that
+            (``1``: never); ``stats()["worker_env_threads"]`` shows the choice
+            (shmvec/concurrent_envs.py).
     """
 
     def __init__(
@@ -146,6 +153,7 @@ class ShmVectorEnv(VectorEnvBase):
         step_in_main: bool = False,
         fallback: str | None = None,
         validate_actions: bool = False,
+        env_concurrency: int | None = None,
     ) -> None:
         self.closed = True  # until the workers are up; close() is then a no-op
         if worker is not None:
@@ -160,6 +168,7 @@ class ShmVectorEnv(VectorEnvBase):
         self.observation_mode = observation_mode
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.max_concurrency = _check_max_concurrency(max_concurrency)
+        self._env_concurrency_arg = _check_env_concurrency(env_concurrency)
         dummy_env = env_fns[0]()
         check_env(dummy_env, 0)
         self.metadata = {**dummy_env.metadata, "autoreset_mode": self.autoreset_mode}
@@ -226,6 +235,10 @@ class ShmVectorEnv(VectorEnvBase):
         self.step_in_main = self.in_process or bool(step_in_main)
         self.num_workers = max(num_workers, 1)
         self._env_blocks = split_blocks(self.num_envs, self.num_workers)
+        # Envs a worker steps at once, at most (None: its whole block).
+        self.env_concurrency = _per_worker_concurrency(
+            self._env_concurrency_arg, self.max_concurrency, self.num_workers
+        )
         processes = self.num_workers - 1 if self.step_in_main else self.num_workers
         spin = default_spin(processes) if spin_ns is None else fixed_spin(spin_ns)
         engine = build_engine(
@@ -513,10 +526,15 @@ class ShmVectorEnv(VectorEnvBase):
         Returns a dict: ``steps`` (env steps returned), ``steps_per_s``,
         ``episodes`` (episodes ended), ``main_wait_fraction`` (time the main
         process spent waiting for results), ``worker_busy_fraction`` (per
-        worker: time spent in env code and writing results), ``worker_restarts``
-        and ``env_resets`` (envs reset after an exception, ``on_env_error``).
+        worker: time spent in env code and writing results),
+        ``worker_cpu_fraction`` (per worker: CPU time of its process, all
+        threads, over the elapsed time; the main process's for a block it
+        steps itself), ``worker_env_threads`` (per worker: envs it steps at
+        once, see ``env_concurrency``), ``worker_restarts`` and ``env_resets``
+        (envs reset after an exception, ``on_env_error``).
         """
-        return self._stats.report(self._pool.busy_ns)
+        pool = self._pool
+        return self._stats.report(pool.busy_ns, pool.cpu_seconds(), pool.env_threads.tolist())
 
 
 def _worker_spec(env: ShmVectorEnv, spin_ns: int) -> WorkerSpec:
@@ -532,6 +550,7 @@ def _worker_spec(env: ShmVectorEnv, spin_ns: int) -> WorkerSpec:
         main_pid=os.getpid(),
         use_death_signal=threading.current_thread() is threading.main_thread(),
         on_env_error=env.on_env_error,
+        env_concurrency=env.env_concurrency,
     )  # fmt: skip
 
 
@@ -639,6 +658,21 @@ def _check_range(name: str, value: int, low: int, high: int, given: Any = None) 
 def _check_choice(name: str, value: str, other: str) -> str:
     if value not in ("raise", other):
         raise ValueError(f"{name} must be 'raise' or {other!r}, got {value!r}")
+    return value
+
+
+def _check_env_concurrency(value) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"env_concurrency must be None or an int >= 1, got {value!r}")
+    return value
+
+
+def _per_worker_concurrency(value, max_concurrency: int | None, num_workers: int) -> int | None:
+    """``env_concurrency`` per worker, bounded by ``max_concurrency`` too (at most
+    that many envs inside ``step`` over all workers)."""
+    if max_concurrency is not None:
+        per_worker = max(1, max_concurrency // num_workers)
+        value = per_worker if value is None else min(value, per_worker)
     return value
 
 

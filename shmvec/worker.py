@@ -27,6 +27,7 @@ import cloudpickle
 import numpy as np
 
 from shmvec import _core, _worker_loop
+from shmvec.concurrent_envs import ConcurrentEnvs
 from shmvec.errors import add_note
 from shmvec.layout import SegmentLayout, WordBytes, make_codec
 from shmvec.protocol import (
@@ -72,6 +73,8 @@ class WorkerSpec:
     # Worker.recover_async.
     recover: tuple | None = None
     info_schema: dict | None = None  # the dead worker's info columns, kept
+    # Envs stepped at once at most (shmvec.concurrent_envs); None: up to the block.
+    env_concurrency: int | None = None
 
 
 class SegmentFd:
@@ -288,11 +291,22 @@ class Worker:
             self.env_started = self.layout.worker_env_started_ns(buffer)[
                 spec.index : spec.index + 1
             ]
+        # Envs that wait are stepped several at once (shmvec/concurrent_envs.py);
+        # hooked in at step(), poll_async() and the spin of the command waits.
+        self.concurrency = ConcurrentEnvs(
+            len(envs),
+            spec.first_env,
+            spec.env_concurrency,
+            self.current_env,
+            self.env_started if spec.batch_size < spec.num_envs else None,
+            self.layout.worker_env_threads(buffer)[line],
+        )
 
     def serve(self) -> None:
         """Sync mode: one barrier round per command."""
         while True:
-            command = self.barrier.wait_command(self.generation, self.spec.spin_ns, WATCHDOG_NS)
+            spin_ns = self.concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
+            command = self.barrier.wait_command(self.generation, spin_ns, WATCHDOG_NS)
             if command is None:
                 self._check_main()
                 continue
@@ -303,7 +317,8 @@ class Worker:
         """Async mode: run envs as their commands arrive; barrier commands too."""
         rings = 0
         while True:
-            seen = self.doorbell.wait(rings, self.spec.spin_ns, WATCHDOG_NS)
+            spin_ns = self.concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
+            seen = self.doorbell.wait(rings, spin_ns, WATCHDOG_NS)
             if seen is None:
                 self._check_main()
                 continue
@@ -318,10 +333,13 @@ class Worker:
     def poll_async(self) -> bool:
         """Runs a barrier command if one was posted, then every env that has a
         command; False once the worker must exit."""
-        if self.barrier.generation_now() != self.generation and not self.poll_sync():
-            return False
+        if self.barrier.generation_now() != self.generation:
+            self.concurrency.drain()  # hook: no env thread runs during call/set_attr/close
+            if not self.poll_sync():
+                return False
         started = time.perf_counter_ns()
-        _worker_loop.step_pending(
+        # hook: _worker_loop.step_pending, or concurrent_envs' threaded stand-in
+        self.concurrency.pending_function()(
             self.stepper,
             self.ring,
             self.envs,
@@ -406,7 +424,8 @@ class Worker:
             action_views[self.rows.start : self.rows.stop] = self._recv("actions")
         views = self.slots[slot]
         obs_target = self._obs_target(slot)
-        infos, errors, announced = _worker_loop.step_envs(
+        # hook: _worker_loop.step_envs, or concurrent_envs' threaded stand-in
+        infos, errors, announced = self.concurrency.step_function()(
             self.stepper,
             self.envs,
             self.spec.first_env,
@@ -525,18 +544,23 @@ class Worker:
         # Reset infos are pickled (resets are rare): clear this block's columns.
         self.slots[slot].info_codes[self.rows.start : self.rows.stop] = 0
         infos, errors = [], []
-        for i, (env, row) in enumerate(zip(self.envs, self.rows)):
-            self.current_env[0] = row + 1
-            if mask is not None and not mask[i]:
-                continue
+
+        def reset_env(i: int) -> tuple:
             try:
-                result = _worker_loop.reset_result(env, seeds[i], options[i])
-                self.obs_codec.write(obs_target, row, result[0])
+                result = _worker_loop.reset_result(self.envs[i], seeds[i], options[i])
+                self.obs_codec.write(obs_target, self.rows[i], result[0])
                 self.autoreset[i] = 0
-                if result[4]:
-                    infos.append((row, result[4]))
+                return result[4], None
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
-                errors.append((row, exc, traceback.format_exc()))
+                return None, (exc, traceback.format_exc())
+
+        todo = [i for i in range(len(self.envs)) if mask is None or mask[i]]
+        # hook: concurrent_envs resets waiting envs in threads too; results by row
+        for i, (info, error) in zip(todo, self.concurrency.map_envs(reset_env, todo)):
+            if error is not None:
+                errors.append((self.rows[i], *error))
+            elif info:
+                infos.append((self.rows[i], info))
         return self._message(infos, errors, obs_target)
 
     def call(self, name: str, args: tuple, kwargs: dict) -> dict:

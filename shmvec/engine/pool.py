@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import os
 import pickle
 import time
 from collections import deque
@@ -107,6 +108,7 @@ class WorkerPool:
         self.current_env = layout.worker_current_env(buffer)
         self.finished = layout.worker_finished_generation(buffer)
         self.busy_ns = layout.worker_busy_ns(buffer)
+        self.env_threads = layout.worker_env_threads(buffer)
         self.env_started_ns = layout.worker_env_started_ns(buffer)
         self.action_views = layout.action_views(buffer)
         self.slots = [layout.slot_views(buffer, k) for k in range(layout.num_slots)]
@@ -117,7 +119,9 @@ class WorkerPool:
             self.stashed.append((deque(), deque()))
             if index == 0 and self.step_in_main:
                 main_end, worker_end = LoopbackPipe.pair()
-                spec = self._spec(0, self.env_fns[rows.start : rows.stop])
+                # The main process's own block is stepped serially: its threads
+                # would compete with the user's.
+                spec = self._spec(0, self.env_fns[rows.start : rows.stop], env_concurrency=1)
                 self.main_worker = InProcessWorker(spec, self.segment, worker_end)
                 self.workers.append(self.main_worker)
                 self.pipes.append(main_end)
@@ -260,6 +264,10 @@ class WorkerPool:
         process.kill()
         process.join(1.0)
 
+    def cpu_seconds(self) -> list[float]:
+        """CPU time (user + system, all threads) of each worker's process so far."""
+        return [_cpu_seconds(process.pid) for process in self.workers]
+
     def run_main_worker(self, async_mode: bool) -> None:
         """With ``step_in_main``: does worker 0's share of what was just asked."""
         if self.main_worker is not None:
@@ -303,3 +311,14 @@ def _pickle_env_fns(block: list, rows: range) -> bytes:
                     f"with spawn/forkserver: {exc!r}. Use context='fork' or a picklable callable."
                 ) from exc
         raise
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time of process ``pid``; 0.0 if it cannot be read (gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # fields[11], fields[12]: utime, stime (fields 14, 15 of proc(5), in clock ticks)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -47,8 +47,11 @@ class Stats:
                 ", ".join(f"{100 * f:.0f}%" for f in stats["worker_busy_fraction"]),
             )  # fmt: skip
 
-    def report(self, busy_ns: np.ndarray) -> dict[str, Any]:
-        """The dict of ``ShmVectorEnv.stats()``; ``busy_ns``: each worker's busy time."""
+    def report(
+        self, busy_ns: np.ndarray, cpu_s: list[float] = (), env_threads: list[int] = ()
+    ) -> dict[str, Any]:
+        """The dict of ``ShmVectorEnv.stats()``; per worker: ``busy_ns`` (time
+        serving commands), ``cpu_s`` (its process's CPU time) and ``env_threads``."""
         elapsed = time.perf_counter() - self.started
         return {
             "steps": self.steps,
@@ -56,6 +59,8 @@ class Stats:
             "episodes": self.episodes,
             "main_wait_fraction": self.wait_s / elapsed if elapsed > 0 else 0.0,
             "worker_busy_fraction": (busy_ns / 1e9 / elapsed).tolist() if elapsed > 0 else [],
+            "worker_cpu_fraction": [c / elapsed if elapsed > 0 else 0.0 for c in cpu_s],
+            "worker_env_threads": list(env_threads),
             "elapsed_s": elapsed,
             "worker_restarts": self.restarts,
             "env_resets": self.env_resets,

@@ -1,0 +1,374 @@
+"""Envs that wait (shmvec/concurrent_envs.py): a worker steps several at once.
+
+Results must not depend on which env finished first: each env's sleep varies
+at random per step, so threads finish out of order, and every step is compared
+with gymnasium's SyncVectorEnv.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
+from helpers import assert_same
+
+from shmvec import ShmVectorEnv, WorkerDiedError
+from shmvec.concurrent_envs import (
+    REPROBE_ROUNDS,
+    ConcurrencyGovernor,
+    EnvThreadPool,
+    WaitProbe,
+    threads_for,
+)
+
+
+class WaitingEnv(gym.Env):
+    """A tool-call-like env: each step blocks for a random 0.3..3 ms (its own
+    generator, so the timing differs between runs but the results do not);
+    episodes end by termination or truncation at env-dependent steps; infos mix
+    numeric columns and pickled strings."""
+
+    def __init__(
+        self, index: int = 0, max_sleep: float = 0.003, episode_len: int | None = None
+    ) -> None:
+        self.index = index
+        self.episode_len = 3 + index % 4 if episode_len is None else episode_len
+        self.max_sleep = max_sleep
+        self.sleep_rng = random.Random()  # timing only: not seeded on purpose
+        self.observation_space = spaces.Box(-1e6, 1e6, (3,), np.float64)
+        self.action_space = spaces.Discrete(4)
+        self.block = False  # set_attr("block", True): the next step never returns
+        self.boom_at = -1  # set_attr("boom_at", t): the step reaching t raises
+        self.boom_on_reset = False
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if getattr(self, "boom_on_reset", False):
+            raise RuntimeError(f"sandbox of env {self.index} failed to start")
+        time.sleep(self.sleep_rng.uniform(0, self.max_sleep))  # a sandbox starting
+        self.t = 0
+        self.offset = float(self.np_random.integers(100))
+        return np.array([0.0, -1.0, self.offset]), {"start": self.index}
+
+    def step(self, action):
+        if self.block:
+            time.sleep(3600)
+        time.sleep(self.sleep_rng.uniform(0.1 * self.max_sleep, self.max_sleep))
+        self.t += 1
+        if self.t == self.boom_at:
+            raise RuntimeError(f"tool call failed in env {self.index}")
+        obs = np.array([self.t, float(action), self.offset + self.t])
+        terminated = self.t == self.episode_len
+        truncated = self.t >= 9 and self.episode_len < 9
+        info = {"t": self.t, "score": float(action) / 2}
+        if (self.t + int(action)) % 3 == 0:
+            info["note"] = f"env {self.index} step {self.t}"
+        return obs, float(action) * self.t, terminated, truncated, info
+
+
+class BusyEnv(WaitingEnv):
+    """The same env, but its step computes for 0.5 ms instead of waiting."""
+
+    def step(self, action):
+        deadline = time.perf_counter() + 0.0005
+        while time.perf_counter() < deadline:
+            pass
+        self.t += 1
+        return np.array([self.t, float(action), self.offset]), 1.0, False, self.t >= 50, {}
+
+
+def notes(exc: BaseException) -> str:
+    return "\n".join(getattr(exc, "__notes__", []))
+
+
+def waiting_fns(n: int, cls=WaitingEnv, **kwargs) -> list:
+    return [lambda i=i: cls(i, **kwargs) for i in range(n)]
+
+
+# ------------------------------------------------------------ the mechanism
+
+
+def test_threads_for_waiting_and_computing_steps():
+    # 5 ms of wall, 20 us of CPU: waiting; the cap (block size) decides.
+    assert threads_for(5_000_000, 20_000, 0, limit=8) == 8
+    # All CPU, or CPU plus time runnable on a busy machine: computing.
+    assert threads_for(5_000_000, 4_900_000, 0, limit=8) == 1
+    assert threads_for(5_000_000, 2_000_000, 2_900_000, limit=8) == 1
+    # Waiting on a busy machine: most of the wall time on the run queue.
+    assert threads_for(6_700_000, 270_000, 3_000_000, limit=8) == 8
+    assert threads_for(5_000_000, 20_000, 0, limit=1) == 1  # env_concurrency=1
+
+
+def test_governor_probes_then_decides_and_probes_again():
+    governor = ConcurrencyGovernor(block_size=4, cap=None)
+    assert governor.probe_due()  # the first round is a probe
+    assert not governor.add((0, 0, 0), (100_000, 90_000, 0))
+    governor.finish()  # one step is not enough: the next round probes too
+    assert governor.probe_due()
+    assert not governor.add((0, 0, 0), (100_000, 90_000, 0))  # short steps: until finish()
+    governor.finish()
+    assert governor.threads == 1
+    rounds = [governor.probe_due() for _ in range(REPROBE_ROUNDS + 1)]
+    assert rounds.count(True) == 1 and rounds[-1]
+    assert not governor.add((0, 0, 0), (3_000_000, 30_000, 10_000))
+    assert governor.add((0, 0, 0), (3_000_000, 30_000, 10_000))  # 6 ms: enough to tell
+    assert governor.threads == 4 and not governor.probe_due()
+    assert not ConcurrencyGovernor(block_size=1, cap=None).probe_due()
+    assert ConcurrencyGovernor(block_size=8, cap=3).limit == 3
+
+
+def test_wait_probe_tells_sleep_from_work():
+    probe = WaitProbe()
+    try:
+        before = probe.sample()
+        time.sleep(0.01)
+        after = probe.sample()
+        wall, cpu = after[0] - before[0], after[1] - before[1]
+        assert wall >= 10_000_000 and cpu < wall / 3
+        before = probe.sample()
+        deadline = time.perf_counter() + 0.01
+        while time.perf_counter() < deadline:
+            pass
+        after = probe.sample()
+        busy = (after[1] - before[1]) + (after[2] - before[2])  # CPU + run queue
+        assert busy > (after[0] - before[0]) * 2 / 3
+    finally:
+        probe.close()
+
+
+def test_pool_map_keeps_item_order_and_returns_exceptions():
+    pool = EnvThreadPool()
+    pool.grow(4)
+
+    def work(i: int) -> int:
+        time.sleep(random.uniform(0, 0.003))
+        if i == 5:
+            raise ValueError("five")
+        return i * i
+
+    results = pool.map(work, list(range(10)))
+    assert results[:5] == [0, 1, 4, 9, 16] and results[6:] == [36, 49, 64, 81]
+    assert isinstance(results[5], ValueError)
+    assert pool.size == 4
+    assert pool.map(work, []) == []  # nothing to wait for: no hang
+
+
+# ----------------------------------------------- equivalence with gymnasium
+
+
+def run_both(fns, mode: AutoresetMode, steps: int, **kwargs):
+    """Steps ShmVectorEnv and SyncVectorEnv with the same actions; compares every
+    result. Returns the ShmVectorEnv's stats."""
+    ours = ShmVectorEnv(fns, autoreset_mode=mode, **kwargs)
+    theirs = SyncVectorEnv(fns, autoreset_mode=mode)
+    rng = np.random.default_rng(3)
+    try:
+        assert_same(ours.reset(seed=7), theirs.reset(seed=7), "reset")
+        ended = np.zeros(len(fns), dtype=bool)
+        for t in range(steps):
+            actions = rng.integers(0, 4, len(fns))
+            if mode == AutoresetMode.DISABLED and ended.any():
+                mask = ended
+                assert_same(
+                    ours.reset(options={"reset_mask": mask.copy()}),
+                    theirs.reset(options={"reset_mask": mask.copy()}),
+                    f"reset {t}",
+                )
+            got, want = ours.step(actions), theirs.step(actions)
+            assert_same(got, want, f"step {t}")
+            ended = got[2] | got[3]
+        return ours.stats()
+    finally:
+        ours.close()
+        theirs.close()
+
+
+@pytest.mark.parametrize("mode", list(AutoresetMode))
+def test_sync_mode_matches_sync_vector_env_with_threads(mode):
+    stats = run_both(waiting_fns(6), mode, steps=40, num_workers=2)
+    assert stats["worker_env_threads"] == [3, 3]  # each worker steps its 3 envs at once
+
+
+def test_cap_and_never():
+    assert run_both(waiting_fns(6), AutoresetMode.NEXT_STEP, 12, num_workers=2,
+                    env_concurrency=2)["worker_env_threads"] == [2, 2]  # fmt: skip
+    assert run_both(waiting_fns(4), AutoresetMode.NEXT_STEP, 12, num_workers=2,
+                    env_concurrency=1)["worker_env_threads"] == [1, 1]  # fmt: skip
+    # max_concurrency bounds the envs inside step over all workers: 2 workers x 2.
+    envs = ShmVectorEnv(waiting_fns(8), num_workers=2, max_concurrency=4)
+    try:
+        assert envs.env_concurrency == 2
+    finally:
+        envs.close()
+    with pytest.raises(ValueError, match="env_concurrency must be None or an int >= 1"):
+        ShmVectorEnv(waiting_fns(2), env_concurrency=0)
+
+
+def test_computing_envs_stay_serial():
+    envs = ShmVectorEnv(waiting_fns(4, BusyEnv), num_workers=2)
+    try:
+        envs.reset(seed=0)
+        for _ in range(20):
+            envs.step(np.zeros(4, dtype=np.int64))
+        stats = envs.stats()
+        assert stats["worker_env_threads"] == [1, 1]
+        assert len(stats["worker_cpu_fraction"]) == 2
+    finally:
+        envs.close()
+
+
+def reference_step(env, mode, ended, action):
+    if mode == AutoresetMode.NEXT_STEP and ended:
+        obs, info = env.reset()
+        return (obs, 0.0, False, False), False
+    obs, reward, terminated, truncated, info = env.step(action)
+    if mode == AutoresetMode.SAME_STEP and (terminated or truncated):
+        obs, _ = env.reset()
+    return (obs, reward, terminated, truncated), terminated or truncated
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
+def test_async_mode_each_env_matches_stepping_it_alone(mode):
+    n, batch = 8, 3
+    envs = ShmVectorEnv(waiting_fns(n), num_workers=2, batch_size=batch, autoreset_mode=mode)
+    alone = waiting_fns(n)
+    alone = [fn() for fn in alone]
+    expected, ended = {}, np.zeros(n, dtype=bool)
+    for e, env in enumerate(alone):
+        obs, _ = env.reset(seed=50 + e)
+        expected[e] = (obs, 0.0, False, False)
+    rng = np.random.default_rng(2)
+    arrivals = []
+    try:
+        envs.async_reset(seed=50)
+        for _ in range(120):
+            obs, rewards, terminations, truncations, infos = envs.recv()
+            ids = infos["env_id"].tolist()
+            arrivals.extend(ids)
+            for row, e in enumerate(ids):
+                want_obs, want_reward, want_terminated, want_truncated = expected[e]
+                assert np.array_equal(obs[row], want_obs), f"env {e}"
+                assert rewards[row] == want_reward, f"env {e}"
+                assert terminations[row] == want_terminated, f"env {e}"
+                assert truncations[row] == want_truncated, f"env {e}"
+                if "t" in infos and infos["_t"][row]:
+                    assert infos["t"][row] == obs[row][0]
+            actions = rng.integers(0, 4, len(ids))
+            envs.send(actions, ids)
+            for e, action in zip(ids, actions.tolist()):
+                expected[e], ended[e] = reference_step(alone[e], mode, ended[e], action)
+        assert envs.stats()["worker_env_threads"] == [4, 4]
+    finally:
+        envs.close()
+    assert set(arrivals) == set(range(n))
+
+
+# ------------------------------------------------- timeouts, restarts, errors
+
+
+def started_threaded(n: int = 4, **kwargs) -> ShmVectorEnv:
+    envs = ShmVectorEnv(waiting_fns(n, episode_len=1000), num_workers=2, **kwargs)
+    envs.reset(seed=0)
+    for _ in range(3):
+        envs.step(np.ones(n, dtype=np.int64))
+    assert envs.stats()["worker_env_threads"] == [n // 2, n // 2]
+    return envs
+
+
+@pytest.mark.parametrize("policy", ["restart", "raise"])
+def test_env_timeout_catches_an_env_blocked_forever_in_a_thread(policy):
+    envs = started_threaded(on_worker_death=policy, env_timeout=0.5)
+    try:
+        envs.set_attr("block", [False, False, False, True])
+        if policy == "raise":
+            with pytest.raises(WorkerDiedError, match=r"worker 1 .*SIGKILL") as error:
+                envs.step(np.ones(4, dtype=np.int64))
+            assert "stuck in env 3 for more than env_timeout=0.5 s" in notes(error.value)
+            return
+        started = time.monotonic()
+        obs, _, _, truncations, infos = envs.step(np.ones(4, dtype=np.int64))
+        assert time.monotonic() - started < 10
+        assert np.array_equal(truncations, [False, False, True, True])
+        assert np.array_equal(infos["_worker_restarted"], [False, False, True, True])
+        assert np.array_equal(obs[:2, 0], [4, 4]) and (obs[2:, 0] == 0).all()
+        obs = envs.step(np.ones(4, dtype=np.int64))[0]  # NEXT_STEP: the reset after the end
+        assert np.array_equal(obs[:, 0], [5, 5, 0, 0])
+        obs = envs.step(np.ones(4, dtype=np.int64))[0]  # the new env 3 does not block
+        assert np.array_equal(obs[:, 0], [6, 6, 1, 1])
+    finally:
+        envs.close()
+
+
+def test_env_timeout_in_async_mode_with_threads():
+    envs = ShmVectorEnv(
+        waiting_fns(6, episode_len=1000),
+        num_workers=2,
+        batch_size=2,
+        on_worker_death="restart",
+        env_timeout=0.5,
+    )
+    rng = np.random.default_rng(0)
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(60):  # each worker decides once it has seen two of its envs' steps
+            ids = envs.recv()[4]["env_id"]
+            envs.send(rng.integers(0, 4, len(ids)), ids)
+            if envs.stats()["worker_env_threads"] == [3, 3]:
+                break
+        assert envs.stats()["worker_env_threads"] == [3, 3]
+        envs.set_attr("block", [False, False, False, False, True, False])
+        started, restarted = time.monotonic(), set()
+        while 4 not in restarted and time.monotonic() - started < 20:
+            obs, _, _, truncations, infos = envs.recv()
+            ids = infos["env_id"]
+            flags = infos.get("_worker_restarted", np.zeros(len(ids), dtype=bool))
+            restarted.update(ids[flags].tolist())
+            envs.send(rng.integers(0, 4, len(ids)), ids)
+        assert 4 in restarted and envs.stats()["worker_restarts"] == 1
+        for _ in range(10):  # the replacement's env 4 runs again
+            ids = envs.recv()[4]["env_id"]
+            envs.send(rng.integers(0, 4, len(ids)), ids)
+    finally:
+        envs.close()
+
+
+def test_an_exception_in_a_threaded_env():
+    envs = started_threaded()
+    try:
+        envs.set_attr("boom_at", [-1, 5, -1, -1])
+        envs.step(np.ones(4, dtype=np.int64))
+        with pytest.raises(RuntimeError, match="tool call failed in env 1"):
+            envs.step(np.ones(4, dtype=np.int64))
+    finally:
+        envs.close()
+    envs = started_threaded(on_env_error="reset")
+    try:
+        envs.set_attr("boom_at", [-1, -1, 5, -1])
+        envs.step(np.ones(4, dtype=np.int64))
+        obs, _, _, truncations, infos = envs.step(np.ones(4, dtype=np.int64))
+        assert np.array_equal(truncations, [False, False, True, False])
+        assert infos["env_error"][2] == "RuntimeError: tool call failed in env 2"
+        assert obs[2, 0] == 0 and obs[3, 0] == 5
+    finally:
+        envs.close()
+
+
+def test_resets_in_threads_match_and_raise():
+    envs = started_threaded()
+    reference = SyncVectorEnv(waiting_fns(4, episode_len=1000))
+    try:
+        assert_same(envs.reset(seed=11), reference.reset(seed=11))  # threaded now
+        mask = np.array([True, False, True, True])
+        got = envs.reset(seed=12, options={"reset_mask": mask.copy()})
+        assert_same(got, reference.reset(seed=12, options={"reset_mask": mask.copy()}))
+        envs.set_attr("boom_on_reset", [False, False, True, False])
+        with pytest.raises(RuntimeError, match="sandbox of env 2 failed to start"):
+            envs.reset(seed=0)
+    finally:
+        envs.close()
+        reference.close()
