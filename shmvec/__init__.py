@@ -11,6 +11,7 @@ from shmvec.registration import make_mix, make_vec
 from shmvec.vector_env import ShmVectorEnv
 
 __all__ = ["ShmVectorEnv", "WorkerDiedError", "make_mix", "make_vec"]
+# The one place the version is set: pyproject.toml reads it, `python -m shmvec --version` prints it.
 __version__ = "0.1.0"
 
 # Silent unless the application configures logging ("shmvec" logger: worker start and
