@@ -121,13 +121,9 @@ class ShmVectorEnv(VectorEnvBase):
             list seeds/options (GRPO-style grouped rollouts).
         ring_depth: result slots in the ring (>= 2).
         spin_ns: how long a waiter spins before it sleeps (``shmvec.spin``).
-        env_concurrency: how many of its envs a worker may step at once. None
-            (default): automatic: a worker whose envs mostly wait (sleeps,
-            sockets, subprocesses: their step releases the GIL) steps its
-            whole block at once in threads, as measured on a few steps; one
-            whose envs compute steps them one after another. An int caps that
-            (``1``: never); ``stats()["worker_env_threads"]`` shows the choice
-            (shmvec/concurrent_envs.py).
+        env_concurrency: envs a worker may step at once, in threads, when they
+            mostly wait (shmvec/concurrent_envs.py). None: decided by measuring;
+            an int caps it (``1``: never).
     """
 
     def __init__(
@@ -235,8 +231,7 @@ class ShmVectorEnv(VectorEnvBase):
         self.step_in_main = self.in_process or bool(step_in_main)
         self.num_workers = max(num_workers, 1)
         self._env_blocks = split_blocks(self.num_envs, self.num_workers)
-        # Envs a worker steps at once, at most (None: its whole block).
-        self.env_concurrency = _per_worker_concurrency(
+        self.env_concurrency = _per_worker_concurrency(  # None: a whole block
             self._env_concurrency_arg, self.max_concurrency, self.num_workers
         )
         processes = self.num_workers - 1 if self.step_in_main else self.num_workers
@@ -526,12 +521,10 @@ class ShmVectorEnv(VectorEnvBase):
         Returns a dict: ``steps`` (env steps returned), ``steps_per_s``,
         ``episodes`` (episodes ended), ``main_wait_fraction`` (time the main
         process spent waiting for results), ``worker_busy_fraction`` (per
-        worker: time spent in env code and writing results),
-        ``worker_cpu_fraction`` (per worker: CPU time of its process, all
-        threads, over the elapsed time; the main process's for a block it
-        steps itself), ``worker_env_threads`` (per worker: envs it steps at
-        once, see ``env_concurrency``), ``worker_restarts`` and ``env_resets``
-        (envs reset after an exception, ``on_env_error``).
+        worker: time in env code and writing results), ``worker_cpu_fraction``
+        (its process's CPU time over the elapsed time), ``worker_env_threads``
+        (envs it steps at once), ``worker_restarts`` and ``env_resets`` (envs
+        reset after an exception, ``on_env_error``).
         """
         pool = self._pool
         return self._stats.report(pool.busy_ns, pool.cpu_seconds(), pool.env_threads.tolist())
