@@ -47,6 +47,12 @@ from shmvec.protocol import ENV_STEP
 # waiting env's wall time too (measured: 3.0 ms of 6.7 ms, sleeps of ~1.6 ms).
 # CPU-bound envs measure ~0.0-0.05; an env that sleeps 5 ms per step ~0.99.
 WAITING_FRACTION = 1 / 3
+# Threads pay only when a step blocks for longer than handing an env to a
+# thread costs: ~20 us here (128 envs that sleep 20 ms take 22.5 ms rounds
+# through the pool). Below twice that per step, "blocked" time is the noise of
+# a short CPU-bound step (a page fault, the probe's own syscalls): measured,
+# CartPole steps in async mode on a busy machine were once judged waiting.
+MIN_BLOCKED_NS = 40_000
 # A probe decides after this many env steps, or sooner once they took this long.
 PROBE_STEPS = 16
 PROBE_WALL_NS = 5_000_000
@@ -88,9 +94,10 @@ class WaitProbe:
             self._schedstat = None
 
 
-def threads_for(wall_ns: int, cpu_ns: int, run_delay_ns: int, limit: int) -> int:
-    """How many envs to step at once, given what serial steps took: 1 unless
-    they mostly wait, else ``limit`` (the block, or the user's cap).
+def threads_for(wall_ns: int, cpu_ns: int, run_delay_ns: int, limit: int, steps: int = 1) -> int:
+    """How many envs to step at once, given what ``steps`` serial steps took:
+    1 unless they mostly wait, and for more than ``MIN_BLOCKED_NS`` each, else
+    ``limit`` (the block, or the user's cap).
 
     Not ``wall / cpu``, the threads that would keep one core busy: a sync
     round ends when its last env does, so ``k`` threads for a block of ``n``
@@ -99,7 +106,7 @@ def threads_for(wall_ns: int, cpu_ns: int, run_delay_ns: int, limit: int) -> int
     idle thread costs only its stack.
     """
     blocked = wall_ns - cpu_ns - run_delay_ns
-    if limit <= 1 or blocked <= 0:
+    if limit <= 1 or blocked < MIN_BLOCKED_NS * steps:
         return 1
     return 1 if blocked < WAITING_FRACTION * (blocked + cpu_ns) else limit
 
@@ -142,7 +149,7 @@ class ConcurrencyGovernor:
             self._decide()
 
     def _decide(self) -> None:
-        self.threads = threads_for(self._wall, self._cpu, self._delay, self.limit)
+        self.threads = threads_for(self._wall, self._cpu, self._delay, self.limit, self._steps)
         self._reset_totals()
         self._countdown = REPROBE_ROUNDS
 
@@ -482,7 +489,10 @@ class ConcurrentEnvs:
             self._row_lock,
         )
         running, claimed = self.running, self._claimed
-        for i in np.flatnonzero(commands).tolist():
+        # A snapshot: main writes commands while we read (numpy's nonzero counts,
+        # then fills, and fails if the count moved). A command set after it
+        # rings the doorbell again.
+        for i in np.flatnonzero(commands.copy()).tolist():
             with running.lock:
                 if claimed[i]:
                     continue

@@ -102,6 +102,10 @@ def test_threads_for_waiting_and_computing_steps():
     # Waiting on a busy machine: most of the wall time on the run queue.
     assert threads_for(6_700_000, 270_000, 3_000_000, limit=8) == 8
     assert threads_for(5_000_000, 20_000, 0, limit=1) == 1  # env_concurrency=1
+    # Short CPU-bound steps whose "blocked" time is noise (16 steps of 8 us CPU,
+    # 6 us unaccounted each) stay serial; 16 steps that block 1 ms each do not.
+    assert threads_for(16 * 14_000, 16 * 8_000, 0, limit=8, steps=16) == 1
+    assert threads_for(16 * 1_010_000, 16 * 10_000, 0, limit=8, steps=16) == 8
 
 
 def test_governor_probes_then_decides_and_probes_again():
