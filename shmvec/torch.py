@@ -45,7 +45,8 @@ Example:
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -145,7 +146,7 @@ class TorchVectorEnv(VectorWrapper):
             return self._tensors(obs, rewards, terminations, truncations)
         result = [obs] if rewards is None else [obs, rewards, terminations, truncations]
         span = self._packer.span(result) if self.env is self.shm else None
-        nbytes = span[1] - span[0] if span is not None else _nbytes(result)
+        nbytes = span.end - span.start if span is not None else _nbytes(result)
         current = torch.cuda.current_stream(self.device)
         if nbytes < self.side_stream_bytes:
             converted = self._copy(span, result)
@@ -161,9 +162,9 @@ class TorchVectorEnv(VectorWrapper):
             tensor.record_stream(current)  # allocated on the bridge's stream
         return converted
 
-    def _copy(self, span, result: list) -> list:
+    def _copy(self, span: Span | None, result: list) -> list:
         if span is not None:
-            return self._packer.copy(span, result)
+            return self._packer.copy(span)
         return self._tensors(*result, *([None] * (4 - len(result))))
 
     def _write_actions(self, actions: Any) -> bool:
@@ -230,6 +231,22 @@ class TorchVectorEnv(VectorWrapper):
         super().close(**kwargs)
 
 
+class Span(NamedTuple):
+    """Where one step's result lies in the segment: bytes ``start``..``end``,
+    and ``layout``, the result's tree with a ``_Leaf`` at each leaf."""
+
+    start: int
+    end: int
+    layout: list
+
+
+class _Leaf(NamedTuple):
+    offset: int  # in the segment
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple
+
+
 class SpanPacker:
     """One step's result, when it is views of one ring slot, as one copy.
 
@@ -247,50 +264,62 @@ class SpanPacker:
         self.device = device
         self.reward_dtype = reward_dtype
 
-    def span(self, result: list) -> tuple[int, int] | None:
-        """(start, end) offsets of the bytes holding every leaf of ``result``
-        (``[obs]`` or ``[obs, rewards, terminations, truncations]``), or None when
-        a leaf is not a contiguous numeric array inside the segment."""
-        start, end = self.size, 0
-        stack = list(result)
-        while stack:
-            leaf = stack.pop()
-            if isinstance(leaf, dict):
-                stack += leaf.values()
-                continue
-            if isinstance(leaf, tuple):
-                stack += leaf
-                continue
-            if not (isinstance(leaf, np.ndarray) and leaf.dtype != object):
-                return None  # a string (Text), a pickled value
-            if not leaf.flags.c_contiguous:
-                return None
-            offset = leaf.__array_interface__["data"][0] - self.address
-            if not 0 <= offset <= self.size - leaf.nbytes:
-                return None  # not a view of the ring (a wrapper made it)
-            start, end = min(start, offset), max(end, offset + leaf.nbytes)
-        return (start, end) if start < end else None
+    def span(self, result: list) -> Span | None:
+        """The span of ``result`` (``[obs]`` or ``[obs, rewards, terminations,
+        truncations]``), or None when a leaf is not a contiguous numeric array
+        inside the segment."""
+        leaves: list[_Leaf] = []
 
-    def copy(self, span: tuple[int, int], result: list) -> list:
-        """The leaves of ``result`` as views of one copy of ``span`` on the device
-        (on the current stream); rewards cast to ``reward_dtype``."""
-        start, end = span
-        buffer = torch.empty(end - start, dtype=torch.uint8, device=self.device)
-        buffer.copy_(self.host[start:end], non_blocking=True)
+        def place(leaf: Any) -> Any:
+            if isinstance(leaf, dict):
+                return {k: place(v) for k, v in leaf.items()}
+            if isinstance(leaf, tuple):
+                return tuple(place(v) for v in leaf)
+            if not (isinstance(leaf, np.ndarray) and leaf.dtype != object):
+                raise _NotInRing  # a string (Text), a pickled value
+            offset = leaf.__array_interface__["data"][0] - self.address
+            if not (leaf.flags.c_contiguous and 0 <= offset <= self.size - leaf.nbytes):
+                raise _NotInRing  # a strided view, or an array a wrapper made
+            leaves.append(_Leaf(offset, leaf.nbytes, _torch_dtype(leaf.dtype), leaf.shape))
+            return leaves[-1]
+
+        try:
+            layout = [place(leaf) for leaf in result]
+        except _NotInRing:
+            return None
+        if not leaves:
+            return None
+        start = min(leaf.offset for leaf in leaves)
+        end = max(leaf.offset + leaf.nbytes for leaf in leaves)
+        return Span(start, end, layout)
+
+    def copy(self, span: Span) -> list:
+        """The leaves of the result as views of one copy of ``span`` on the
+        device (on the current stream); rewards cast to ``reward_dtype``."""
+        buffer = torch.empty(span.end - span.start, dtype=torch.uint8, device=self.device)
+        buffer.copy_(self.host[span.start : span.end], non_blocking=True)
 
         def view(leaf: Any) -> Any:
             if isinstance(leaf, dict):
                 return {k: view(v) for k, v in leaf.items()}
-            if isinstance(leaf, tuple):
+            if not isinstance(leaf, _Leaf):  # a Tuple space's tuple
                 return tuple(view(v) for v in leaf)
-            offset = leaf.__array_interface__["data"][0] - self.address - start
-            dtype = torch.from_numpy(leaf[:0]).dtype
-            return buffer[offset : offset + leaf.nbytes].view(dtype).view(leaf.shape)
+            offset = leaf.offset - span.start
+            return buffer[offset : offset + leaf.nbytes].view(leaf.dtype).view(leaf.shape)
 
-        converted = [view(leaf) for leaf in result]
+        converted = [view(leaf) for leaf in span.layout]
         if len(converted) > 1:
             converted[1] = converted[1].to(self.reward_dtype)
         return converted
+
+
+class _NotInRing(Exception):
+    """A leaf of a result that the span copy cannot take."""
+
+
+@functools.cache
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
 
 
 def _nbytes(result: list) -> int:
