@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -60,3 +64,23 @@ def pid_alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+@contextlib.contextmanager
+def example_module(name: str) -> Iterator[Any]:
+    """``examples/<name>.py`` imported as a module for as long as the context lasts."""
+    spec = importlib.util.spec_from_file_location(f"shmvec_example_{name}", example_path(name))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def example_path(name: str) -> str:
+    return os.path.join(EXAMPLES, f"{name}.py")

@@ -13,11 +13,12 @@ import sys
 import gymnasium as gym
 import numpy as np
 import pytest
+from helpers import example_module, example_path
 
 torch = pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "ppo_atari.py")
+EXAMPLE = example_path("ppo_atari")
 HAS_ALE = importlib.util.find_spec("ale_py") is not None and importlib.util.find_spec("cv2")
 needs_ale = pytest.mark.skipif(not HAS_ALE, reason="needs ale-py and opencv (shmvec[atari])")
 FINAL = re.compile(
@@ -29,14 +30,8 @@ FINAL = re.compile(
 
 @pytest.fixture(scope="module")
 def ppo():
-    spec = importlib.util.spec_from_file_location("shmvec_example_ppo_atari", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with example_module("ppo_atari") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 # ------------------------------------------------------------ rollout storage

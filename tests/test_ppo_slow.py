@@ -14,11 +14,12 @@ import subprocess
 import sys
 
 import pytest
+from helpers import example_path
 
 pytest.importorskip("torch")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "ppo.py")
+EXAMPLE = example_path("ppo")
 ITERATION = re.compile(r"^iter \d+/\d+ step=(\d+) .*mean_return_last20=(\S+)")
 SOLVED = 475.0
 STEPS = 500_000
