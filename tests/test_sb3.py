@@ -1475,41 +1475,35 @@ def read_monitor_file(path) -> tuple[list, list]:
     return sorted(metadata), [(row["r"], row["l"], sorted(row)) for row in rows]
 
 
-def test_vec_monitor(tmp_path):
+def _monitor_runs(tmp_path, env_fn, steps: int, info_keywords=()) -> Log:
+    """``steps`` random steps under VecMonitor on each kind of VecEnv, compared;
+    the log ends with the monitor file each wrote."""
+
     def run(kind: str, log: Log) -> None:
         path = tmp_path / f"{kind}.monitor.csv"
-        venv = VecMonitor(make_vec(kind, [cartpole(500)]), str(path))
+        venv = VecMonitor(make_vec(kind, [env_fn]), str(path), info_keywords)
         try:
             venv.seed(0)
             venv.action_space.seed(0)
             venv.reset()
-            for t in range(300):
+            for t in range(steps):
                 log.step(venv, sample_actions(venv), f"step {t}")
         finally:
             venv.close()
         log.add("file", read_monitor_file(path))
 
-    log = compare_runs(run)
+    return compare_runs(run)
+
+
+def test_vec_monitor(tmp_path):
+    log = _monitor_runs(tmp_path, cartpole(500), 300)
     keys, episodes = dict(log)["file"]
     assert keys == ["env_id", "t_start"] and len(episodes) > 5
     assert episodes[0][2] == ["l", "r", "t"]
 
 
 def test_vec_monitor_info_keywords(tmp_path):
-    def run(kind: str, log: Log) -> None:
-        path = tmp_path / f"{kind}.monitor.csv"
-        venv = VecMonitor(make_vec(kind, [BitFlippingEnv]), str(path), ("is_success",))
-        try:
-            venv.seed(0)
-            venv.action_space.seed(0)
-            venv.reset()
-            for t in range(200):
-                log.step(venv, sample_actions(venv), f"step {t}")
-        finally:
-            venv.close()
-        log.add("file", read_monitor_file(path))
-
-    log = compare_runs(run)
+    log = _monitor_runs(tmp_path, BitFlippingEnv, 200, ("is_success",))
     episodes = dict(log)["file"][1]
     assert episodes and all(columns == ["is_success", "l", "r", "t"] for *_, columns in episodes)
 
