@@ -8,7 +8,7 @@ modes, what goes into infos) are the same as in ``SyncVectorEnv.step``.
 """
 
 from libc.errno cimport errno
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
@@ -20,7 +20,7 @@ from shmvec.infos import CELL_KINDS as _CELL_KINDS
 from shmvec.infos import CODES as _CODES
 from shmvec.infos import INFO_COLUMNS
 from shmvec import protocol
-from shmvec.protocol import ENV_IDLE, ENV_RESET
+from shmvec.protocol import BY_VALUE_BIT, ENV_IDLE, ENV_RESET, SLOT_MASK, STEP
 
 cdef extern from "barrier.h" namespace "shmvec":
     cdef cppclass BarrierWords:
@@ -148,6 +148,35 @@ cdef class InfoColumns:
             else:
                 self.cells_i[row, col] = value
         return True
+
+
+cdef class SlotColumns:
+    """One ring slot's columns, as typed views taken once: taking a numpy
+    array's buffer costs ~0.1 us, at every call that takes it as a typed
+    argument (five a round were a sixth of a no-op env's round trip)."""
+
+    cdef readonly object obs  # the observation codec's columns
+    cdef double[::1] rewards
+    cdef uint8_t[::1] terminations
+    cdef uint8_t[::1] truncations
+    cdef int32_t[::1] env_ids
+    cdef uint8_t[::1] messages
+
+    def __cinit__(self, object views):
+        self.obs = views.obs
+        self.rewards = views.rewards
+        self.terminations = views.terminations
+        self.truncations = views.truncations
+        self.env_ids = views.env_ids
+        self.messages = views.messages
+
+
+def count_ended(SlotColumns slot):
+    """[main] How many rows of ``slot`` ended an episode (terminated or truncated)."""
+    cdef Py_ssize_t row, ended = 0
+    for row in range(slot.terminations.shape[0]):
+        ended += (slot.terminations[row] | slot.truncations[row]) != 0
+    return ended
 
 
 cdef class Stepper:
@@ -288,21 +317,20 @@ def step_envs(
     Py_ssize_t first_row,
     list action_views,
     object obs_views,
-    double[::1] rewards,
-    uint8_t[::1] terminations,
-    uint8_t[::1] truncations,
+    SlotColumns slot,
     uint8_t[::1] autoreset,
     InfoColumns info_columns,
     uint32_t[::1] current_env,
     object on_error=None,
 ):
-    """Sync mode: steps ``envs`` (rows ``first_row ...``) and writes their results.
+    """Sync mode: steps ``envs`` (rows ``first_row ...``) and writes their results
+    into ``slot``.
 
     ``action_views`` are the action slab's columns, or, for a pickled action
-    space, a list of per-env actions. ``obs_views`` are the ring slot's
-    observation columns, or a dict that collects pickled observations.
-    ``autoreset`` holds, per env of the block, whether its previous step ended
-    an episode (NEXT_STEP mode resets it now instead of stepping).
+    space, a list of per-env actions. ``obs_views`` are the slot's observation
+    columns, or a dict that collects pickled observations. ``autoreset``
+    holds, per env of the block, whether its previous step ended an episode
+    (NEXT_STEP mode resets it now instead of stepping).
 
     Returns ``(infos, errors, announced)``: ``infos`` is a list of ``(row,
     [info, ...])`` for envs with something to pickle, in row order, each list
@@ -315,6 +343,13 @@ def step_envs(
     ``current_env[0]`` says which env runs (1 + its row; 0 after the block), so
     that a timeout can name it.
     """
+    return _step_block(stepper, envs, first_row, action_views, obs_views, slot, autoreset,
+                       info_columns, current_env, on_error)
+
+
+cdef tuple _step_block(Stepper stepper, list envs, Py_ssize_t first_row, list action_views,
+                       object obs_views, SlotColumns slot, uint8_t[::1] autoreset,
+                       InfoColumns info_columns, uint32_t[::1] current_env, object on_error):
     cdef Py_ssize_t i, row
     cdef list infos = []
     cdef list errors = []
@@ -327,12 +362,14 @@ def step_envs(
         try:
             try:
                 result = stepper.step_one(envs[i], action_views, row, autoreset[i], None, i)
-                stepper.write(obs_views, rewards, terminations, truncations, row, result)
+                stepper.write(obs_views, slot.rewards, slot.terminations, slot.truncations,
+                              row, result)
             except Exception as exc:  # noqa: BLE001 - a failed write resets too
                 if on_error is None:
                     raise
                 result = on_error(i, exc)
-                stepper.write(obs_views, rewards, terminations, truncations, row, result)
+                stepper.write(obs_views, slot.rewards, slot.terminations, slot.truncations,
+                              row, result)
             autoreset[i] = 1 if (result[2] or result[3]) else 0
             merged = pickled_infos(result, info_columns, row, announced)
             if merged is not None:
@@ -341,6 +378,95 @@ def step_envs(
             errors.append((row, exc, _format_exc()))
     current_env[0] = 0
     return infos, errors, announced
+
+
+cdef uint64_t _now_ns() noexcept nogil:
+    """CLOCK_MONOTONIC in ns (``time.perf_counter_ns`` on Linux)."""
+    cdef timespec now
+    clock_gettime(CLOCK_MONOTONIC, &now)
+    return <uint64_t>now.tv_sec * 1000000000 + <uint64_t>now.tv_nsec
+
+
+cdef class SerialRounds:
+    """A worker's plain sync STEP rounds (actions in the slab, observations in
+    columns, the Cython loop), run here with no Python frame a round.
+
+    ``serve`` does what ``Worker.serve`` and ``Worker._run_command`` do for
+    such a round (a fifth of a no-op env's round trip was those frames):
+    step the block, publish the worker's words, arrive, send a message if
+    the round has one (``message(infos, errors, obs_views, announced)``
+    builds it, ``send(message)`` sends it). Any other command goes back to
+    the Python loop.
+    """
+
+    cdef WorkerBarrier barrier
+    cdef Stepper stepper
+    cdef list envs, action_views, slots, info_columns
+    cdef Py_ssize_t first_row
+    cdef uint8_t[::1] autoreset
+    cdef uint32_t[::1] flag
+    cdef uint32_t[::1] current_env
+    cdef uint32_t[::1] finished
+    cdef uint64_t[::1] busy_ns
+    cdef object on_error, message, send
+
+    def __cinit__(self, WorkerBarrier barrier, Stepper stepper, list envs, Py_ssize_t first_row,
+                  list action_views, list slots, list info_columns, uint8_t[::1] autoreset,
+                  uint32_t[::1] flag, uint32_t[::1] current_env, uint32_t[::1] finished,
+                  uint64_t[::1] busy_ns, object on_error, object message, object send):
+        self.barrier, self.stepper, self.envs, self.first_row = barrier, stepper, envs, first_row
+        self.action_views, self.slots, self.info_columns = action_views, slots, info_columns
+        self.autoreset, self.flag, self.current_env = autoreset, flag, current_env
+        self.finished, self.busy_ns = finished, busy_ns
+        self.on_error, self.message, self.send = on_error, message, send
+
+    def serve(self, uint32_t generation, int64_t spin_ns, int64_t timeout_ns,
+              Py_ssize_t max_rounds):
+        """Waits for commands after ``generation`` and runs them while they are
+        plain STEP rounds, at most ``max_rounds``. Returns ``(generation,
+        rounds run, command)``: ``command`` is the first other command, as
+        ``WorkerBarrier.wait_command`` returns it, or None (a wait timed out,
+        or ``max_rounds`` ran)."""
+        cdef Command command
+        cdef WaitStatus status
+        cdef Py_ssize_t rounds = 0
+        cdef uint32_t index
+        cdef uint64_t started
+        cdef SlotColumns slot
+        cdef tuple parts
+        cdef bint has_message
+        while rounds < max_rounds:
+            with nogil:
+                status = self.barrier.barrier.wait_command(generation, spin_ns, timeout_ns,
+                                                           &command)
+            if status == WaitStatus.kTimedOut:
+                break
+            if status != WaitStatus.kReady:
+                raise OSError(errno, "futex wait failed in a shmvec worker")
+            if command.kind != STEP or command.arg & BY_VALUE_BIT:
+                return generation, rounds, (command.generation, command.kind, command.arg)
+            started = _now_ns()
+            generation = command.generation
+            index = command.arg & SLOT_MASK
+            slot = self.slots[index]
+            self.stepper.actions_by_value = False
+            parts = _step_block(self.stepper, self.envs, self.first_row, self.action_views,
+                                slot.obs, slot, self.autoreset, self.info_columns[index],
+                                self.current_env, self.on_error)
+            message = None
+            has_message = parts[0] or parts[1] or parts[2]
+            if has_message:
+                message = self.message(parts[0], parts[1], slot.obs, parts[2])
+                self.flag[0] = 1
+            # Every write to this worker's line before arrive(): see Worker._run_command.
+            self.busy_ns[0] += _now_ns() - started
+            self.finished[0] = generation
+            with nogil:
+                self.barrier.barrier.arrive(has_message)
+            if has_message:
+                self.send(message)
+            rounds += 1
+        return generation, rounds, None
 
 
 cdef extern from "result_ring.h" namespace "shmvec":
@@ -449,25 +575,25 @@ def step_pending(
     with nothing left to do (its envs' commands clear, ``current_env`` 0).
     ``env_started[0]`` gets the CLOCK_MONOTONIC time each env begins
     (``env_timeout``).
+    ``slots`` are the ring's ``SlotColumns``.
     ``row_lock``: held from the claim of a row to the send of its message when
     threads run this for single envs (shmvec/concurrent_envs.py): the main
     process reads a worker's row messages in the order the rows were claimed.
     """
-    cdef timespec now
     cdef Py_ssize_t i, env_id
     cdef uint8_t command
     cdef RowRef ref
     cdef list announced
     cdef tuple result
     cdef InfoColumns columns
+    cdef SlotColumns slot
     for i in range(len(envs)):
         command = commands[i]
         if command == ENV_IDLE:
             continue
         env_id = first_env + i
         if env_started is not None:
-            clock_gettime(CLOCK_MONOTONIC, &now)
-            env_started[0] = <uint64_t>now.tv_sec * 1000000000 + <uint64_t>now.tv_nsec
+            env_started[0] = _now_ns()
         current_env[0] = env_id + 1
         commands[i] = ENV_IDLE  # before the publish: main may send again right after
         error = None

@@ -66,6 +66,8 @@ REPROBE_ROUNDS = 256
 WAIT_POLL_S = 0.1
 # A result of EnvThreadPool.map not in yet.
 PENDING = object()
+# Serial rounds before a probe when the worker never probes (a block of one env).
+NEVER = 1 << 62
 
 
 class WaitProbe:
@@ -130,6 +132,15 @@ class ConcurrencyGovernor:
             return self._countdown == 0
         self._countdown -= 1
         return False
+
+    def serial_rounds(self) -> int:
+        """How many serial rounds may run before ``probe_due`` says True
+        (``NEVER`` when it never will); ``ran(n)`` counts them."""
+        return NEVER if self._countdown < 0 else self._countdown
+
+    def ran(self, rounds: int) -> None:
+        if self._countdown > 0:
+            self._countdown -= rounds
 
     def add(self, before: tuple[int, int, int], after: tuple[int, int, int]) -> bool:
         """Adds one env step's samples; True if the probe decided already (the
@@ -310,6 +321,15 @@ class ConcurrentEnvs:
 
     # ----------------------------------------------------------- sync mode
 
+    def serial_rounds(self) -> int:
+        """How many step rounds ``_worker_loop.SerialRounds`` may run before this
+        hook must decide again (0: now); the worker says how many ran with
+        ``ran_serial``."""
+        return self.governor.serial_rounds() if self.governor.threads <= 1 else 0
+
+    def ran_serial(self, rounds: int) -> None:
+        self.governor.ran(rounds)
+
     def step_function(self) -> Callable:
         """What steps the block this round: ``_worker_loop.step_envs`` or a
         stand-in with its signature."""
@@ -338,17 +358,14 @@ class ConcurrentEnvs:
 
     @staticmethod
     def _step_one(stepper, envs, first_row, args, i, current_env) -> tuple:
-        (action_views, obs_views, rewards, terminations, truncations, autoreset, info_columns,
-         _current, on_error) = args  # fmt: skip
+        action_views, obs_views, slot, autoreset, info_columns, _current, on_error = args
         return _worker_loop.step_envs(
             stepper,
             envs[i : i + 1],
             first_row + i,
             action_views,
             obs_views,
-            rewards,
-            terminations,
-            truncations,
+            slot,
             autoreset[i : i + 1],
             info_columns,
             current_env,
@@ -356,16 +373,14 @@ class ConcurrentEnvs:
         )
 
     def _step_threaded(self, stepper, envs, first_row, *args, start: int = 0) -> tuple:
-        (action_views, obs_views, rewards, terminations, truncations, autoreset, info_columns,
-         current_env, on_error) = args  # fmt: skip
+        action_views, obs_views, slot, autoreset, info_columns, current_env, on_error = args
         per_env = self._per_env_args(envs, autoreset, on_error)
         step_envs = _worker_loop.step_envs
 
         def step(i: int) -> tuple:
             env, env_autoreset, env_current, env_on_error = per_env[i]
-            return step_envs(stepper, env, first_row + i, action_views, obs_views, rewards,
-                             terminations, truncations, env_autoreset, info_columns,
-                             env_current, env_on_error)  # fmt: skip
+            return step_envs(stepper, env, first_row + i, action_views, obs_views, slot,
+                             env_autoreset, info_columns, env_current, env_on_error)  # fmt: skip
 
         def name_first_pending(results: list) -> None:
             # Only for a timeout's message ("stuck in env N").

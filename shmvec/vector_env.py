@@ -330,10 +330,9 @@ class ShmVectorEnv(VectorEnvBase):
         infos = decoder.batch_infos(slot, messages)
         if "env_error" in infos:
             self._stats.note_env_resets(infos, np.arange(self.num_envs))
-        views = self._slots[slot]
-        self._stats.count(views.terminations, views.truncations)
+        self._stats.count(self.num_envs, decoder.ended(slot))
         self.observations = obs = decoder.batch_obs(slot, messages)
-        return (obs, *decoder.outcomes(views), infos)
+        return (obs, *decoder.outcomes(slot), infos)
 
     def step(self, actions: ArrayType):
         """Steps every env; see ``gymnasium.vector.VectorEnv.step``.
@@ -363,10 +362,10 @@ class ShmVectorEnv(VectorEnvBase):
         if not clean:
             return self.step_wait()
         self._state = AsyncState.DEFAULT
-        views = self._slots[self._rounds.slot]
-        self._stats.count(views.terminations, views.truncations)
-        self.observations = obs = self._obs_codec.read_batch(views.obs, self._copy)
-        return (obs, *self._decoder.outcomes(views), {})
+        slot, decoder = self._rounds.slot, self._decoder
+        self._stats.count(self.num_envs, decoder.ended(slot))
+        self.observations = obs = self._obs_codec.read_batch(self._slots[slot].obs, self._copy)
+        return (obs, *decoder.outcomes(slot), {})
 
     # ------------------------------------------------------------------ async
 

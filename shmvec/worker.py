@@ -267,6 +267,7 @@ class Worker:
         self.stepper = _worker_loop.Stepper(self.action_codec, self.obs_codec, spec.autoreset_mode)
         self.action_views = self.layout.action_views(buffer)
         self.slots = [self.layout.slot_views(buffer, k) for k in range(self.layout.num_slots)]
+        self.slot_columns = [_worker_loop.SlotColumns(views) for views in self.slots]
         # info key -> column, shared by all slots (a replacement keeps its predecessor's)
         self.info_schema: dict = dict(spec.info_schema or {})
         self.info_columns = [
@@ -301,12 +302,32 @@ class Worker:
             self.env_started if spec.batch_size < spec.num_envs else None,
             self.layout.worker_env_threads(buffer)[line],
         )
+        # Plain sync step rounds run in Cython (pickled observations need _message's dict)
+        self.serial_rounds = None
+        if spec.batch_size == spec.num_envs and not self.obs_codec.pickled:
+            self.serial_rounds = _worker_loop.SerialRounds(
+                self.barrier, self.stepper, self.envs, spec.first_env, self.action_views,
+                self.slot_columns, self.info_columns, self.autoreset, self.flag,
+                self.current_env, self.finished, self.busy_ns, self.on_error, self._message,
+                lambda message: _send(self.pipe, message),
+            )  # fmt: skip
 
     def serve(self) -> None:
-        """Sync mode: one barrier round per command."""
+        """Sync mode: one barrier round per command; plain step rounds in
+        ``serial_rounds`` for as long as the envs step serially (hook:
+        concurrent_envs says for how many rounds)."""
         while True:
             spin_ns = self.concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
-            command = self.barrier.wait_command(self.generation, spin_ns, WATCHDOG_NS)
+            serial = self.concurrency.serial_rounds() if self.serial_rounds is not None else 0
+            if serial:
+                self.generation, ran, command = self.serial_rounds.serve(
+                    self.generation, spin_ns, WATCHDOG_NS, serial
+                )
+                self.concurrency.ran_serial(ran)
+                if command is None and ran == serial:
+                    continue  # a probe round is due: the Python loop runs it
+            else:
+                command = self.barrier.wait_command(self.generation, spin_ns, WATCHDOG_NS)
             if command is None:
                 self._check_main()
                 continue
@@ -347,7 +368,7 @@ class Worker:
             self.commands,
             self._take_reset_args,
             self.action_views,
-            self.slots,
+            self.slot_columns,
             self.info_columns,
             self.autoreset,
             lambda message: _send(self.pipe, message),
@@ -422,7 +443,6 @@ class Worker:
         if by_value:
             action_views = [None] * self.spec.num_envs
             action_views[self.rows.start : self.rows.stop] = self._recv("actions")
-        views = self.slots[slot]
         obs_target = self._obs_target(slot)
         # hook: _worker_loop.step_envs, or concurrent_envs' threaded stand-in
         infos, errors, announced = self.concurrency.step_function()(
@@ -431,9 +451,7 @@ class Worker:
             self.spec.first_env,
             action_views,
             obs_target,
-            views.rewards,
-            views.terminations,
-            views.truncations,
+            self.slot_columns[slot],
             self.autoreset,
             self.info_columns[slot],
             self.current_env,

@@ -170,7 +170,7 @@ class AsyncEngine:
         self.last_env_ids = env_ids
         self.held_slot = slot
         self.recv_slot = (slot + 1) % len(pool.slots)
-        self.stats.count(views.terminations, views.truncations)
+        self.stats.count(self.batch_size, self.decoder.ended(slot))
         raise_errors(messages.values(), self.decoder)
         decoder = self.decoder
         obs = decoder.rows_obs(views, messages, self.batch_size)
@@ -182,7 +182,7 @@ class AsyncEngine:
         if "env_error" in infos:
             self.stats.note_env_resets(infos, env_ids)
         infos["env_id"] = env_ids
-        return (obs, *decoder.outcomes(views), infos)
+        return (obs, *decoder.outcomes(slot), infos)
 
     def _check_workers_now_and_then(self) -> None:
         now = time.monotonic()

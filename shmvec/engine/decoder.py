@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from shmvec import _worker_loop
 from shmvec import infos as info_columns
 from shmvec.batching import batch_infos
 from shmvec.errors import add_note
@@ -36,6 +37,11 @@ class ResultDecoder:
         self.schemas: list[dict] = [{} for _ in blocks]  # per worker: info key -> column
         self.block_groups = [slice(rows.start, rows.stop) for rows in blocks]
         self.pickled_obs: list | None = None  # last obs of each env, pickled spaces
+        # per slot: (rewards, terminations, truncations), the flags as bool
+        self._outcomes = [
+            (v.rewards, v.terminations.view(np.bool_), v.truncations.view(np.bool_)) for v in slots
+        ]
+        self._columns = [_worker_loop.SlotColumns(v) for v in slots]
 
     def learn_columns(self, index: int, message: dict) -> None:
         """Worker ``index``'s info columns announced in ``message``."""
@@ -93,15 +99,17 @@ class ResultDecoder:
             return self.obs_codec.read_batch(values, self.copy)
         return self.obs_codec.read_batch(views.obs, self.copy)
 
-    def outcomes(self, views) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rewards, terminations, truncations) of a ring slot: copies if ``copy``,
-        the flags as bool."""
-        rewards, terminations, truncations = views.rewards, views.terminations, views.truncations
+    def outcomes(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rewards, terminations, truncations) of ring slot ``slot``: copies if
+        ``copy``, the flags as bool."""
+        rewards, terminations, truncations = self._outcomes[slot]
         if self.copy:
-            rewards, terminations, truncations = (
-                rewards.copy(), terminations.copy(), truncations.copy()
-            )  # fmt: skip
-        return rewards, terminations.view(np.bool_), truncations.view(np.bool_)
+            return rewards.copy(), terminations.copy(), truncations.copy()
+        return rewards, terminations, truncations
+
+    def ended(self, slot: int) -> int:
+        """How many rows of ring slot ``slot`` ended an episode."""
+        return _worker_loop.count_ended(self._columns[slot])
 
     def remote_error(self, errors: list) -> BaseException:
         """The first env error, with the env, the worker and the remote traceback."""

@@ -22,13 +22,10 @@ class Stats:
         self.env_resets = 0
         self.started = time.perf_counter()
 
-    def count(self, terminations: np.ndarray, truncations: np.ndarray) -> None:
-        """Counts a batch of results whose done flags are these (uint8 0 or 1)."""
-        self.steps += len(terminations)
-        # OR-ed as two big integers, the set bits are the envs whose episode
-        # ended (numpy's ufuncs cost more here).
-        ended = int.from_bytes(terminations, "little") | int.from_bytes(truncations, "little")
-        self.episodes += ended.bit_count()
+    def count(self, rows: int, ended: int) -> None:
+        """Counts a batch of ``rows`` results, ``ended`` of which ended an episode."""
+        self.steps += rows
+        self.episodes += ended
 
     def note_env_resets(self, infos: dict, env_ids: np.ndarray) -> None:
         """``on_env_error="reset"``: counts and logs the envs reset after an error."""
