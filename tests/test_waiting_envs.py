@@ -126,6 +126,24 @@ def test_governor_probes_then_decides_and_probes_again():
     assert ConcurrencyGovernor(block_size=8, cap=3).limit == 3
 
 
+def test_serial_rounds_run_in_bulk_count_as_probe_due_calls():
+    # The worker's Cython loop runs serial_rounds() rounds, then ran(n): the
+    # probe must come on the same round as with one probe_due() a round.
+    governor = ConcurrencyGovernor(block_size=4, cap=None)
+    assert governor.serial_rounds() == 0 and governor.probe_due()
+    governor.add((0, 0, 0), (100_000, 90_000, 0))
+    governor.add((0, 0, 0), (100_000, 90_000, 0))
+    governor.finish()
+    assert governor.serial_rounds() == REPROBE_ROUNDS
+    governor.ran(REPROBE_ROUNDS - 1)
+    assert governor.serial_rounds() == 1
+    governor.ran(1)
+    assert governor.serial_rounds() == 0 and governor.probe_due()
+    never = ConcurrencyGovernor(block_size=1, cap=None)
+    never.ran(10**6)
+    assert never.serial_rounds() > 10**12 and not never.probe_due()
+
+
 def test_wait_probe_tells_sleep_from_work():
     probe = WaitProbe()
     try:
@@ -222,6 +240,43 @@ def test_computing_envs_stay_serial():
         stats = envs.stats()
         assert stats["worker_env_threads"] == [1, 1]
         assert len(stats["worker_cpu_fraction"]) == 2
+    finally:
+        envs.close()
+
+
+class LaterWaitingEnv(BusyEnv):
+    """Computes (0.5 ms) for its first ``busy_steps`` steps, then waits (2 ms)
+    as an agent's env does once its episode reaches the tool calls."""
+
+    busy_steps = REPROBE_ROUNDS + 20
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps <= self.busy_steps:
+            return super().step(action)
+        time.sleep(0.002)
+        self.t += 1
+        return np.array([self.t, float(action), self.offset]), 1.0, False, False, {}
+
+
+def test_envs_that_start_waiting_later_get_threads():
+    # Serial rounds run in the worker's Cython loop until the next probe is due.
+    envs = ShmVectorEnv(waiting_fns(4, LaterWaitingEnv), num_workers=2)
+    try:
+        envs.reset(seed=0)
+        actions = np.zeros(4, dtype=np.int64)
+        for _ in range(LaterWaitingEnv.busy_steps):
+            envs.step(actions)
+        assert envs.stats()["worker_env_threads"] == [1, 1]
+        for _ in range(REPROBE_ROUNDS + 8):
+            envs.step(actions)
+            if envs.stats()["worker_env_threads"] == [2, 2]:
+                break
+        assert envs.stats()["worker_env_threads"] == [2, 2]
     finally:
         envs.close()
 
