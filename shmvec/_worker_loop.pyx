@@ -1,5 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The worker's hot path: wait for a command, step a block of envs, arrive.
+"""The worker's hot path: wait for a command, step a block of envs, arrive
+(and ``count_ended``, the one piece of a step the main process runs here).
 
 Compiled with Cython and linked against the C++ core (csrc/barrier.h), so
 the barrier calls go straight to C++ with the GIL released, and rewards and

@@ -414,6 +414,7 @@ class Worker:
         self.current_env[0] = 0
         # Every write to this worker's line before arrive(): the main process
         # reads it right after, and a later write would pull the line back.
+        # (_worker_loop.SerialRounds.serve ends a plain step round the same way.)
         self.busy_ns[0] += time.perf_counter_ns() - started
         self.finished[0] = self.generation
         self.barrier.arrive(bool(message))
