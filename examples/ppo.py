@@ -18,17 +18,12 @@ last line is ``final: mean_return_last20=<x> steps_per_s=<y> total_steps=<z>``.
 
 from __future__ import annotations
 
-import argparse
-import ast
 import functools
-import inspect
 import random
 import sys
-import textwrap
 import time
-import typing
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields  # noqa: F401 - fields: for the tests
 from typing import Any
 
 import gymnasium as gym
@@ -36,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
+from dataclass_args import field_docs as _field_docs  # noqa: F401 - for the tests
+from dataclass_args import parse_dataclass
 from gymnasium.vector import AutoresetMode
 from gymnasium.wrappers.vector import RecordEpisodeStatistics
 from torch.distributions.categorical import Categorical
@@ -113,72 +110,10 @@ class Args:
 # ------------------------------------------------------------------ arguments
 
 
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (read from its source)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-            and isinstance(following.value.value, str)
-        ):
-            docs[node.target.id] = following.value.value
-    return docs
-
-
-def _parser_type(annotation: Any):
-    """``int``, ``float``, ``str`` or their ``X | None`` forms to an argparse type."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, vars(typing), {})  # noqa: S307 - our own annotations
-    args = typing.get_args(annotation)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), annotation) if args else annotation
-
-    def convert(text: str):
-        if optional and text.lower() == "none":
-            return None
-        return base(text)
-
-    convert.__name__ = base.__name__
-    return convert, base
-
-
 def parse_args(argv: list[str] | None = None) -> Args:
     """``Args`` from the command line: ``--num-envs 8`` (or ``--num_envs``),
     ``--anneal-lr``/``--no-anneal-lr``, ``--target-kl None``."""
-    docs = _field_docs(Args)
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for f in fields(Args):
-        flags = [f"--{f.name.replace('_', '-')}"]
-        if "_" in f.name:
-            flags.append(f"--{f.name}")
-        help_text = docs.get(f.name, "")
-        convert, base = _parser_type(f.type)
-        if base is bool:
-            parser.add_argument(
-                *flags,
-                dest=f.name,
-                default=f.default,
-                help=help_text,
-                action=argparse.BooleanOptionalAction,
-            )
-        else:
-            parser.add_argument(
-                *flags,
-                dest=f.name,
-                default=f.default,
-                help=help_text,
-                type=convert,
-                metavar=base.__name__.upper(),
-            )
-    return Args(**vars(parser.parse_args(argv)))
+    return parse_dataclass(Args, argv, __doc__.split("\n\n")[0])
 
 
 # ---------------------------------------------------------------------- agent

@@ -75,10 +75,12 @@ def example_module(name: str) -> Iterator[Any]:
     spec = importlib.util.spec_from_file_location(f"shmvec_example_{name}", example_path(name))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
+    sys.path.insert(0, EXAMPLES)  # the examples' shared module, as when run as scripts
     try:
         spec.loader.exec_module(module)
         yield module
     finally:
+        sys.path.remove(EXAMPLES)
         sys.modules.pop(spec.name, None)
 
 
