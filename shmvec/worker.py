@@ -244,6 +244,13 @@ def _make_envs(spec: WorkerSpec) -> list:
     return envs
 
 
+def _worker_cpu(index: int) -> int:
+    """The CPU for worker ``index``'s env threads: one per worker, round robin
+    over the CPUs this process may use."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[index % len(cpus)]
+
+
 class Worker:
     """Serves commands for one block of envs until CLOSE or the main's death."""
 
@@ -301,6 +308,8 @@ class Worker:
             self.current_env,
             self.env_started if spec.batch_size < spec.num_envs else None,
             self.layout.worker_env_threads(buffer)[line],
+            # Placing threads is for worker processes: the main's are the user's.
+            _worker_cpu(spec.index) if os.getpid() != spec.main_pid else None,
         )
         # Plain sync step rounds run in Cython (pickled observations need _message's dict)
         self.serial_rounds = None

@@ -7,7 +7,9 @@ with gymnasium's SyncVectorEnv.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 import time
 
 import gymnasium as gym
@@ -17,7 +19,7 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import assert_same
 
-from shmvec import ShmVectorEnv, WorkerDiedError
+from shmvec import ShmVectorEnv, WorkerDiedError, concurrent_envs
 from shmvec.concurrent_envs import (
     REPROBE_ROUNDS,
     ConcurrencyGovernor,
@@ -277,6 +279,75 @@ def test_envs_that_start_waiting_later_get_threads():
             if envs.stats()["worker_env_threads"] == [2, 2]:
                 break
         assert envs.stats()["worker_env_threads"] == [2, 2]
+    finally:
+        envs.close()
+
+
+class PlacedEnv(WaitingEnv):
+    """Reports the CPUs its stepping thread may use; with ``spawn``, its first
+    step starts a child process that outlives it (a sandbox) and later steps
+    report the child's CPUs too."""
+
+    def __init__(self, index: int = 0, spawn: bool = False) -> None:
+        super().__init__(index, max_sleep=0.002, episode_len=10_000)
+        self.spawn = spawn
+        self.child = None
+
+    def step(self, action):
+        if self.spawn and self.child is None:
+            self.child = subprocess.Popen(["sleep", "60"])
+        obs, reward, terminated, truncated, _ = super().step(action)
+        cpus = os.sched_getaffinity(0)
+        info = {"cpus": len(cpus), "first_cpu": min(cpus)}
+        if self.child is not None:
+            info["child_cpus"] = len(os.sched_getaffinity(self.child.pid))
+        return obs, reward, terminated, truncated, info
+
+    def close(self):
+        if self.child is not None:
+            self.child.kill()
+            self.child.wait()
+
+
+def step_until_threaded(envs, rounds: int = 64) -> dict:
+    actions = np.zeros(envs.num_envs, dtype=np.int64)
+    for _ in range(rounds):
+        envs.step(actions)
+        if envs.stats()["worker_env_threads"] == [2, 2]:
+            break
+    assert envs.stats()["worker_env_threads"] == [2, 2]
+    return envs.step(actions)[4]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_each_workers_env_threads_share_one_cpu():
+    everywhere = sorted(os.sched_getaffinity(0))
+    envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(4)], num_workers=2)
+    try:
+        envs.reset(seed=0)
+        infos = step_until_threaded(envs)
+        assert infos["cpus"].tolist() == [1, 1, 1, 1]
+        # worker k (envs 2k, 2k+1): the k-th CPU the process may use
+        assert infos["first_cpu"].tolist() == [everywhere[0]] * 2 + [everywhere[1]] * 2
+    finally:
+        envs.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_a_worker_whose_envs_start_processes_runs_them_everywhere(monkeypatch):
+    # Workers fork from this process, so they see the shorter check interval.
+    monkeypatch.setattr(concurrent_envs, "CHILD_CHECK_S", 0.0)
+    everywhere = len(os.sched_getaffinity(0))
+    fns = [lambda i=i: PlacedEnv(i, spawn=i < 2) for i in range(4)]
+    envs = ShmVectorEnv(fns, num_workers=2, context="fork")
+    try:
+        envs.reset(seed=0)
+        step_until_threaded(envs)
+        infos = envs.step(np.zeros(4, dtype=np.int64))[4]
+        # worker 0's envs started sandboxes: its threads and their children run
+        # on every CPU; worker 1's envs started none: its threads stay placed.
+        assert infos["cpus"].tolist() == [everywhere, everywhere, 1, 1]
+        assert infos["child_cpus"][:2].tolist() == [everywhere, everywhere]
     finally:
         envs.close()
 
