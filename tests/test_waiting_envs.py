@@ -284,13 +284,13 @@ def test_envs_that_start_waiting_later_get_threads():
 
 
 class PlacedEnv(WaitingEnv):
-    """Reports the CPUs its stepping thread may use; with ``spawn``, its first
-    step starts a child process that outlives it (a sandbox) and later steps
+    """Reports the CPUs its stepping thread may use; once ``spawn`` is set, its
+    next step starts a child process that outlives it (a sandbox), and steps
     report the child's CPUs too."""
 
-    def __init__(self, index: int = 0, spawn: bool = False) -> None:
+    def __init__(self, index: int = 0) -> None:
         super().__init__(index, max_sleep=0.002, episode_len=10_000)
-        self.spawn = spawn
+        self.spawn = False
         self.child = None
 
     def step(self, action):
@@ -338,14 +338,18 @@ def test_a_worker_whose_envs_start_processes_runs_them_everywhere(monkeypatch):
     # Workers fork from this process, so they see the shorter check interval.
     monkeypatch.setattr(concurrent_envs, "CHILD_CHECK_S", 0.0)
     everywhere = len(os.sched_getaffinity(0))
-    fns = [lambda i=i: PlacedEnv(i, spawn=i < 2) for i in range(4)]
-    envs = ShmVectorEnv(fns, num_workers=2, context="fork")
+    envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(4)], num_workers=2,
+                        context="fork")  # fmt: skip
     try:
         envs.reset(seed=0)
-        step_until_threaded(envs)
-        infos = envs.step(np.zeros(4, dtype=np.int64))[4]
-        # worker 0's envs started sandboxes: its threads and their children run
-        # on every CPU; worker 1's envs started none: its threads stay placed.
+        assert step_until_threaded(envs)["cpus"].tolist() == [1, 1, 1, 1]
+        # Worker 0's envs start sandboxes from their placed threads: the
+        # children start on the one CPU, and the next round's check frees them
+        # and the threads. Worker 1's envs start none: its threads stay placed.
+        envs.set_attr("spawn", [True, True, False, False])
+        actions = np.zeros(4, dtype=np.int64)
+        assert envs.step(actions)[4]["child_cpus"][:2].tolist() == [1, 1]
+        infos = envs.step(actions)[4]
         assert infos["cpus"].tolist() == [everywhere, everywhere, 1, 1]
         assert infos["child_cpus"][:2].tolist() == [everywhere, everywhere]
     finally:
