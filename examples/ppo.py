@@ -35,6 +35,7 @@ from dataclass_args import field_docs as _field_docs  # noqa: F401 - for the tes
 from dataclass_args import parse_dataclass
 from gymnasium.vector import AutoresetMode
 from gymnasium.wrappers.vector import RecordEpisodeStatistics
+from ppo_update import ppo_update
 from torch.distributions.categorical import Categorical
 
 import shmvec
@@ -317,51 +318,10 @@ def _train(args: Args, envs, stats, bridged: bool, device: torch.device) -> dict
         b_returns = returns.reshape(-1)
         b_values = values.reshape(-1)
 
-        b_inds = np.arange(args.batch_size)
-        clipfracs = []
-        for _epoch in range(args.update_epochs):
-            np.random.shuffle(b_inds)
-            for start in range(0, args.batch_size, args.minibatch_size):
-                mb_inds = torch.as_tensor(b_inds[start : start + args.minibatch_size])
-                _, newlogprob, entropy, newvalue = agent.get_action_and_value(
-                    b_obs[mb_inds], b_actions[mb_inds]
-                )
-                logratio = newlogprob - b_logprobs[mb_inds]
-                ratio = logratio.exp()
-                with torch.no_grad():
-                    approx_kl = ((ratio - 1) - logratio).mean()
-                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean().item())
-
-                mb_advantages = b_advantages[mb_inds]
-                if args.norm_adv:
-                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (
-                        mb_advantages.std() + 1e-8
-                    )
-                pg_loss1 = -mb_advantages * ratio
-                pg_loss2 = -mb_advantages * torch.clamp(
-                    ratio, 1 - args.clip_coef, 1 + args.clip_coef
-                )
-                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
-                newvalue = newvalue.view(-1)
-                if args.clip_vloss:
-                    v_loss_unclipped = (newvalue - b_returns[mb_inds]) ** 2
-                    v_clipped = b_values[mb_inds] + torch.clamp(
-                        newvalue - b_values[mb_inds], -args.clip_coef, args.clip_coef
-                    )
-                    v_loss_clipped = (v_clipped - b_returns[mb_inds]) ** 2
-                    v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
-                else:
-                    v_loss = 0.5 * ((newvalue - b_returns[mb_inds]) ** 2).mean()
-
-                loss = pg_loss - args.ent_coef * entropy.mean() + v_loss * args.vf_coef
-                optimizer.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                optimizer.step()
-
-            if args.target_kl is not None and approx_kl > args.target_kl:
-                break
+        v_loss, pg_loss, approx_kl, clipfracs = ppo_update(
+            agent, optimizer, args, np.arange(args.batch_size), args.minibatch_size,
+            b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values,
+        )  # fmt: skip
 
         now = time.perf_counter()
         mean_return = float(np.mean(returns_last20)) if returns_last20 else float("nan")

@@ -80,6 +80,7 @@ import torch.optim as optim
 from dataclass_args import field_docs as _field_docs  # noqa: F401 - for the tests
 from dataclass_args import parse_dataclass
 from gymnasium.vector import AutoresetMode
+from ppo_update import ppo_update
 from torch.distributions.categorical import Categorical
 
 VECTORS = ("shmvec", "gymnasium-async", "envpool")
@@ -652,50 +653,10 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
         )  # fmt: skip
 
         minibatch_size = max(1, len(b_inds) // args.num_minibatches)
-        clipfracs = []
-        for _epoch in range(args.update_epochs):
-            np.random.shuffle(b_inds)
-            for start in range(0, len(b_inds), minibatch_size):
-                mb_inds = torch.as_tensor(b_inds[start : start + minibatch_size], device=device)
-                _, newlogprob, entropy, newvalue = agent.get_action_and_value(
-                    obs[mb_inds], actions[mb_inds]
-                )
-                logratio = newlogprob - logprobs[mb_inds]
-                ratio = logratio.exp()
-                with torch.no_grad():
-                    approx_kl = ((ratio - 1) - logratio).mean()
-                    clipfracs.append(((ratio - 1.0).abs() > args.clip_coef).float().mean().item())
-
-                mb_advantages = advantages[mb_inds]
-                if args.norm_adv and len(mb_inds) > 1:
-                    mb_advantages = (mb_advantages - mb_advantages.mean()) / (
-                        mb_advantages.std() + 1e-8
-                    )
-                pg_loss1 = -mb_advantages * ratio
-                pg_loss2 = -mb_advantages * torch.clamp(
-                    ratio, 1 - args.clip_coef, 1 + args.clip_coef
-                )
-                pg_loss = torch.max(pg_loss1, pg_loss2).mean()
-
-                newvalue = newvalue.view(-1)
-                if args.clip_vloss:
-                    v_loss_unclipped = (newvalue - returns[mb_inds]) ** 2
-                    v_clipped = values[mb_inds] + torch.clamp(
-                        newvalue - values[mb_inds], -args.clip_coef, args.clip_coef
-                    )
-                    v_loss_clipped = (v_clipped - returns[mb_inds]) ** 2
-                    v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
-                else:
-                    v_loss = 0.5 * ((newvalue - returns[mb_inds]) ** 2).mean()
-
-                loss = pg_loss - args.ent_coef * entropy.mean() + v_loss * args.vf_coef
-                optimizer.zero_grad()
-                loss.backward()
-                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)
-                optimizer.step()
-
-            if args.target_kl is not None and approx_kl > args.target_kl:
-                break
+        v_loss, pg_loss, approx_kl, clipfracs = ppo_update(
+            agent, optimizer, args, b_inds, minibatch_size,
+            obs, actions, logprobs, advantages, returns, values,
+        )  # fmt: skip
 
         rollout.carry_open_entries()
 
