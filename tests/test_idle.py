@@ -79,14 +79,17 @@ def test_idle_vector_env_uses_no_core(kwargs):
 
 
 def test_default_spin_policy_by_cores():
-    # Processes share cores: main never spins, workers a fixed spin.
-    assert default_spin(2, cpus=2) == (0, SHARED_SPIN_NS)
+    # Processes share cores: main never spins; workers spin adaptively while
+    # each has a core, a fixed spin when they too share.
+    assert default_spin(2, cpus=2) == (0, -SPIN_CAP_NS)
+    assert default_spin(3, cpus=2) == (0, SHARED_SPIN_NS)
     assert default_spin(16, cpus=8) == (0, SHARED_SPIN_NS)
     # Each process has a core, or one over on many cores: adaptive (negative = cap).
     assert default_spin(1, cpus=2) == (-SPIN_CAP_NS, -SPIN_CAP_NS)
     assert default_spin(16, cpus=16) == (-SPIN_CAP_NS, -SPIN_CAP_NS)
     assert default_spin(15, cpus=16) == (-SPIN_CAP_NS, -SPIN_CAP_NS)
-    assert default_spin(4, cpus=4) == (0, SHARED_SPIN_NS)
+    assert default_spin(4, cpus=4) == (0, -SPIN_CAP_NS)
+    assert default_spin(5, cpus=4) == (0, SHARED_SPIN_NS)
 
 
 def test_negative_spin_ns_is_refused():
