@@ -26,15 +26,9 @@ void ResultRing::publish(uint32_t slot) noexcept {
   if (now == batch_size_ &&
       header_->main_sleeping.value.load(std::memory_order_seq_cst) != 0) {
     futex_wake(&filled_[slot].value, 1);
-    // Hand the core to main if it was woken onto this one: the scheduler
-    // tends to place a woken task on its waker's core and let the waker run
-    // on, and this worker goes on to its next env. Measured on 2 cores (8 x
-    // 100 us envs on 2 workers, a 200 us policy per batch of 4): main sat
-    // queued 100-230 us behind the worker after many wake-ups (perf sched:
-    // 242 ms queued in a 1.5 s run, 128 ms with the yield), and the loop
-    // went from 14.1k to 15.1k steps/s (medians of 5 alternated runs).
-    // Where main runs elsewhere the yield returns at once, once per batch.
-    sched_yield();
+    if (header_->main_handoff.value.load(std::memory_order_relaxed) != 0) {
+      sched_yield();
+    }
   }
 }
 
@@ -48,6 +42,10 @@ WaitStatus ResultRing::wait_full(uint32_t slot, int64_t spin_ns,
       timeout_ns, &outcome);
   spin_.learn(outcome);
   return status;
+}
+
+void ResultRing::set_handoff(bool on) noexcept {
+  header_->main_handoff.value.store(on ? 1 : 0, std::memory_order_relaxed);
 }
 
 uint32_t ResultRing::filled(uint32_t slot) const noexcept {

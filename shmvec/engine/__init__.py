@@ -68,7 +68,9 @@ def build_engine(
         supervisor = Supervisor(pool, decoder, stats, spin.main_ns, env_timeout, restart_on_death)
         async_engine = None
         if spec.batch_size < spec.num_envs:  # before the workers: it marks ring rows unwritten
-            async_engine = AsyncEngine(spec.batch_size, pool, supervisor, decoder, stats)
+            async_engine = AsyncEngine(
+                spec.batch_size, pool, supervisor, decoder, stats, handoff=spin.main_ns == 0
+            )
         pool.spawn()
     except BaseException:
         pool.terminate()
