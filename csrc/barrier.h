@@ -101,14 +101,12 @@ class StepBarrier {
 // futex, counting itself in `sleepers` so that wakers can skip the syscall
 // when nobody sleeps. A waker must store to `word` (seq_cst) *then* read
 // `sleepers`; this function increments `sleepers` *then* re-reads `word`, so
-// at least one side sees the other (no lost wake-up). `out` (optional)
-// records what the wait saw, for AdaptiveSpin::learn().
+// at least one side sees the other (no lost wake-up). `o` records what the
+// wait saw, for AdaptiveSpin::learn().
 template <class Ready>
 WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
                            Ready ready, int64_t spin_ns, int64_t timeout_ns,
-                           WaitOutcome* out = nullptr) noexcept {
-  WaitOutcome unused;
-  WaitOutcome& o = out ? *out : unused;
+                           WaitOutcome& o) noexcept {
   o = WaitOutcome{};
   if (ready(word.load(std::memory_order_acquire))) return WaitStatus::kReady;
   const int64_t start = monotonic_ns();
@@ -151,6 +149,19 @@ WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& s
     // kWoken / kValueChanged / kInterrupted / kTimedOut: loop re-checks the
     // deadline, so a timeout that raced with a wake-up is not lost either.
   }
+}
+
+// Every waiter's wait: spin_then_sleep with the spin `adaptive` allows (or the
+// caller's fixed spin_ns >= 0, see spin_for), then `adaptive` learns from it.
+template <class Ready>
+WaitStatus adaptive_wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
+                         Ready ready, AdaptiveSpin& adaptive, int64_t spin_ns,
+                         int64_t timeout_ns) noexcept {
+  WaitOutcome outcome;
+  WaitStatus status = spin_then_sleep(word, sleepers, ready, spin_for(adaptive, spin_ns),
+                                      timeout_ns, outcome);
+  adaptive.learn(outcome);
+  return status;
 }
 
 }  // namespace shmvec
