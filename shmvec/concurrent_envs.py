@@ -332,10 +332,6 @@ class ConcurrentEnvs:
         self._row_lock = threading.Lock()
         self._publish_threads()
 
-    @property
-    def threads(self) -> int:
-        return self.governor.threads
-
     def spin_ns(self, spin_ns: int) -> int:
         """Spinning for the next command steals the core the env threads need."""
         return 0 if self.governor.threads > 1 else spin_ns
@@ -441,20 +437,12 @@ class ConcurrentEnvs:
             return step_envs(stepper, env, first_row + i, action_views, obs_views, slot,
                              env_autoreset, info_columns, env_current, env_on_error)  # fmt: skip
 
-        def name_first_pending(results: list) -> None:
-            # Only for a timeout's message ("stuck in env N").
-            for k, result in enumerate(results):
-                if result is PENDING:
-                    current_env[0] = first_row + start + k + 1
-                    return
-
-        current_env[0] = first_row + start + 1
-        parts = self.pool.map(step, list(range(start, len(envs))), name_first_pending)
-        current_env[0] = 0
+        try:  # current_env is the worker's word (self.running's): rows are env ids
+            parts = self.map_envs(step, list(range(start, len(envs))))
+        finally:
+            current_env[0] = 0
         infos, errors, announced = [], [], []
         for part in parts:
-            if isinstance(part, BaseException):
-                raise part  # not an env's exception (those are in part[1]): a bug
             _extend(infos, errors, announced, part)
         return infos, errors, announced
 
