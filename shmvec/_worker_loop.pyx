@@ -611,40 +611,42 @@ def step_pending(
             error = (env_id, exc, _format_exc())
         if row_lock is not None:  # hook: concurrent_envs (released after the send)
             row_lock.acquire()
-        with nogil:
-            ref = ring.ring.claim()
-        slot = slots[ref.slot]
-        columns = info_columns[ref.slot]
-        columns.clear(ref.row)
-        message = None
-        announced = []
-        if error is None:
-            obs_target = {} if stepper.obs_codec.pickled else slot.obs
-            try:
-                stepper.write(obs_target, slot.rewards, slot.terminations,
-                              slot.truncations, ref.row, result)
-                merged = pickled_infos(result, columns, ref.row, announced)
-                if merged is not None:
-                    message = {"infos": [(ref.row, merged)]}
-                if stepper.obs_codec.pickled:
-                    message = message or {}
-                    message["obs"] = obs_target
-                if announced:
-                    message = message or {}
-                    message["info_columns"] = announced
-            except Exception as exc:  # noqa: BLE001
-                error = (env_id, exc, _format_exc())
-        if error is not None:
-            message = {"errors": [error]}
-        slot.env_ids[ref.row] = env_id
-        slot.messages[ref.row] = 0 if message is None else 1
-        with nogil:
-            ring.ring.publish(ref.slot)
-        if message is not None:
-            message["row"] = (ref.slot, ref.row)
-            send_message(message)
-        if row_lock is not None:
-            row_lock.release()
+        try:
+            with nogil:
+                ref = ring.ring.claim()
+            slot = slots[ref.slot]
+            columns = info_columns[ref.slot]
+            columns.clear(ref.row)
+            message = None
+            announced = []
+            if error is None:
+                obs_target = {} if stepper.obs_codec.pickled else slot.obs
+                try:
+                    stepper.write(obs_target, slot.rewards, slot.terminations,
+                                  slot.truncations, ref.row, result)
+                    merged = pickled_infos(result, columns, ref.row, announced)
+                    if merged is not None:
+                        message = {"infos": [(ref.row, merged)]}
+                    if stepper.obs_codec.pickled:
+                        message = message or {}
+                        message["obs"] = obs_target
+                    if announced:
+                        message = message or {}
+                        message["info_columns"] = announced
+                except Exception as exc:  # noqa: BLE001
+                    error = (env_id, exc, _format_exc())
+            if error is not None:
+                message = {"errors": [error]}
+            slot.env_ids[ref.row] = env_id
+            slot.messages[ref.row] = 0 if message is None else 1
+            with nogil:
+                ring.ring.publish(ref.slot)
+            if message is not None:
+                message["row"] = (ref.slot, ref.row)
+                send_message(message)
+        finally:
+            if row_lock is not None:
+                row_lock.release()
     current_env[0] = 0
 
 
