@@ -198,8 +198,29 @@ def unbatch_info(infos: dict, row: int, masked_only: bool = True) -> dict:
 
 def unbatch_infos(infos: dict[str, Any], num_envs: int) -> list[dict[str, Any]]:
     """gymnasium's batched infos to one dict per env (SB3's list of infos); a key
-    without a ``_key`` mask goes to every env."""
-    return [unbatch_info(infos, row, masked_only=False) for row in range(num_envs)]
+    without a ``_key`` mask goes to every env. The same dicts as
+    ``unbatch_info(infos, row, masked_only=False)`` for each row, built key by
+    key: each mask is read once, and empty infos cost nothing per env."""
+    out: list[dict[str, Any]] = [{} for _ in range(num_envs)]
+    for key, value in infos.items():
+        mask = infos.get(f"_{key}")
+        if mask is not None:
+            rows = np.flatnonzero(mask).tolist()
+        elif key.startswith("_") and key[1:] in infos:
+            continue  # a mask
+        else:
+            rows = range(num_envs)
+        if isinstance(value, dict):
+            per_env = unbatch_infos(value, num_envs)
+            for row in rows:
+                out[row][key] = per_env[row]
+        elif isinstance(value, np.ndarray) and value.dtype == np.bool_ and value.ndim == 1:
+            for row in rows:
+                out[row][key] = bool(value[row])  # as unbatch_info
+        else:
+            for row in rows:
+                out[row][key] = value[row]
+    return out
 
 
 def recv_whole_batch(env: Any, reset_pending: bool, timeout: float | None) -> tuple:
