@@ -167,7 +167,6 @@ class RayVectorEnv(VectorEnvBase):
             raise ValueError(f"group_size must divide num_envs={self.num_envs}, got {group_size}")
         self.group_size = group_size
         self.autoreset_mode = AutoresetMode(autoreset_mode)
-        self.on_actor_death = on_actor_death
         self.actor_env_ids = split_blocks(self.num_envs, num_actors)
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
         self._batch_actors = _actor_batches(self.batch_size, self.actor_env_ids)
@@ -313,7 +312,7 @@ class RayVectorEnv(VectorEnvBase):
             self._sync_reset_pending = True
             return
         seeds, per_actor = self._expand_seeds(seed), self._split_options(options)
-        ids = np.arange(self.num_envs) if env_ids is None else env_ids
+        ids = np.arange(self.num_envs) if env_ids is None else check_env_ids(env_ids, self.num_envs)
         for k in _idle_actors(ids, self.actor_env_ids, self._busy(), "async_reset"):
             rows = self.actor_env_ids[k]
             args = (seeds[rows.start : rows.stop], per_actor[k], None)
@@ -464,6 +463,11 @@ class RayVectorEnv(VectorEnvBase):
     def _each(self):
         return enumerate(self.actors)
 
+    @property
+    def on_actor_death(self) -> str:
+        """``"raise"`` or ``"restart"``, as constructed (the actor group's)."""
+        return self._group.on_actor_death
+
     def _busy(self) -> set[int]:
         return {k for k, _ in self._pending.values()}
 
@@ -537,9 +541,8 @@ def _actor_batches(batch_size: int, blocks: list[range]) -> int:
     return batch_size // block
 
 
-def _idle_actors(env_ids: Any, blocks: list[range], busy: set, name: str) -> list[int]:
-    """The actors whose whole blocks ``env_ids`` names; none may be ``busy``."""
-    ids = check_env_ids(env_ids, blocks[-1].stop)
+def _idle_actors(ids: np.ndarray, blocks: list[range], busy: set, name: str) -> list[int]:
+    """The actors whose whole blocks ``ids`` (checked env ids) names; none may be ``busy``."""
     named = np.zeros(blocks[-1].stop, dtype=bool)
     named[ids] = True
     actors = []
