@@ -23,7 +23,7 @@ import random
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, fields  # noqa: F401 - fields: for the tests
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -31,11 +31,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
-from dataclass_args import field_docs as _field_docs  # noqa: F401 - for the tests
 from dataclass_args import parse_dataclass
 from gymnasium.vector import AutoresetMode
 from gymnasium.wrappers.vector import RecordEpisodeStatistics
-from ppo_update import ppo_update
+from ppo_update import layer_init, ppo_update
 from torch.distributions.categorical import Categorical
 
 import shmvec
@@ -118,12 +117,6 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 
 # ---------------------------------------------------------------------- agent
-
-
-def layer_init(layer: nn.Linear, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Linear:
-    torch.nn.init.orthogonal_(layer.weight, std)
-    torch.nn.init.constant_(layer.bias, bias_const)
-    return layer
 
 
 class Agent(nn.Module):

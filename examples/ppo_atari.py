@@ -69,7 +69,7 @@ import random
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, fields, replace  # noqa: F401 - fields: for the tests
+from dataclasses import dataclass, replace
 from typing import Any
 
 import gymnasium as gym
@@ -77,10 +77,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
-from dataclass_args import field_docs as _field_docs  # noqa: F401 - for the tests
 from dataclass_args import parse_dataclass
 from gymnasium.vector import AutoresetMode
-from ppo_update import ppo_update
+from ppo_update import layer_init, ppo_update
 from torch.distributions.categorical import Categorical
 
 VECTORS = ("shmvec", "gymnasium-async", "envpool")
@@ -197,12 +196,6 @@ def check_args(args: Args) -> list[str]:
 
 
 # ---------------------------------------------------------------------- agent
-
-
-def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
-    torch.nn.init.orthogonal_(layer.weight, std)
-    torch.nn.init.constant_(layer.bias, bias_const)
-    return layer
 
 
 class Agent(nn.Module):

@@ -1,4 +1,4 @@
-"""The PPO update (CleanRL's clipped objective), shared by ppo.py and ppo_atari.py.
+"""The PPO update (CleanRL's clipped objective) and layer init, shared by ppo.py and ppo_atari.py.
 
 ``ppo_update`` runs ``update_epochs`` passes of minibatches over one rollout's
 transitions, given flat tensors indexed by ``indices``; the scripts differ only
@@ -74,3 +74,10 @@ def ppo_update(
         if args.target_kl is not None and approx_kl > args.target_kl:
             break
     return v_loss, pg_loss, approx_kl, clipfracs
+
+
+def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.0) -> nn.Module:
+    """CleanRL's init: orthogonal weights with gain ``std``, constant bias."""
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -61,5 +62,7 @@ def test_parse_args(ppo):
     assert args.target_kl == 0.02 and args.num_workers is None
     assert args.learning_rate == 1e-3 and args.env_id == "Acrobot-v1"
     assert ppo.parse_args([]) == ppo.Args()
-    docs = ppo._field_docs(ppo.Args)
-    assert set(docs) == {f.name for f in ppo.fields(ppo.Args)}  # a docstring per field
+    from dataclass_args import field_docs  # examples/ is on sys.path while ppo is loaded
+
+    docs = field_docs(ppo.Args)
+    assert set(docs) == {f.name for f in dataclasses.fields(ppo.Args)}  # a docstring per field

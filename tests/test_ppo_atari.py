@@ -3,6 +3,7 @@ its episode statistics against gymnasium's, and short runs of the script."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -189,8 +190,10 @@ def test_parse_and_check_args(ppo):
     assert args.target_kl is None and args.env_id == "ALE/Pong-v5"
     assert ppo.check_args(args) == ["shmvec", "envpool"]
     assert ppo.parse_args([]) == ppo.Args()
-    docs = ppo._field_docs(ppo.Args)
-    assert set(docs) == {f.name for f in ppo.fields(ppo.Args)}  # a docstring per field
+    from dataclass_args import field_docs  # examples/ is on sys.path while ppo is loaded
+
+    docs = field_docs(ppo.Args)
+    assert set(docs) == {f.name for f in dataclasses.fields(ppo.Args)}  # a docstring per field
     with pytest.raises(ValueError, match="gymnasium's AsyncVectorEnv"):
         ppo.check_args(ppo.Args(vector="gymnasium-async", async_envs=True))
     with pytest.raises(ValueError, match="each must be one of"):
