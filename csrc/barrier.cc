@@ -1,7 +1,6 @@
 #include "barrier.h"
 
 #include <signal.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <climits>
@@ -42,8 +41,8 @@ class MainNeighbour {
     const uint32_t cpu = b_->w_->main_cpu.value.load(std::memory_order_relaxed);
     if (cpu == 0 || cpu != static_cast<uint32_t>(sched_getcpu() + 1)) return;
     uint32_t none = 0;
-    active_ = b_->w_->main_neighbour.value.compare_exchange_strong(
-        none, static_cast<uint32_t>(getpid()), std::memory_order_seq_cst);
+    active_ = b_->w_->main_neighbour.value.compare_exchange_strong(none, b_->pid_,
+                                                                   std::memory_order_seq_cst);
   }
   void poll() noexcept {
     if (active_) wake_main_if_done();

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
@@ -70,8 +71,10 @@ struct Command {
 class StepBarrier {
  public:
   // `words` points into the segment; `num_workers` arrivals end a round.
+  // A worker's object must be made in the worker's process (its pid names it
+  // as main's neighbour).
   StepBarrier(BarrierWords* words, uint32_t num_workers) noexcept
-      : w_(words), num_workers_(num_workers) {}
+      : w_(words), num_workers_(num_workers), pid_(static_cast<uint32_t>(getpid())) {}
 
   // [main] Starts a round. The previous round must have completed.
   void post(uint32_t kind, uint32_t arg) noexcept;
@@ -118,6 +121,7 @@ class StepBarrier {
 
   BarrierWords* w_;
   uint32_t num_workers_;
+  uint32_t pid_;
   // The spin of whoever waits on this object: main in wait_done, a worker in
   // wait_command (each process has its own StepBarrier over the words).
   AdaptiveSpin spin_;
