@@ -91,20 +91,27 @@ WaitStatus StepBarrier::wait_command(uint32_t last_generation, int64_t spin_ns,
 }
 
 void StepBarrier::arrive(bool message) noexcept {
+  // The round this arrival belongs to, read before it counts: once the round
+  // is done main may end it by itself (it read `done` before it slept, or its
+  // wait timed out) and post the next, whose wake-up a claim made under the
+  // new number would then swallow.
+  const uint32_t round = w_->generation.value.load(std::memory_order_relaxed);
   // Released by the seq_cst fetch_add below, acquired with `done` by main.
   if (message) w_->messages.value.fetch_add(1, std::memory_order_relaxed);
   uint32_t now = w_->done.value.fetch_add(1, std::memory_order_seq_cst) + 1;
   if (now != num_workers_ || w_->main_sleeping.value.load(std::memory_order_seq_cst) == 0) {
     return;
   }
-  const uint32_t round = w_->generation.value.load(std::memory_order_relaxed);
   const uint32_t cpu = w_->main_cpu.value.load(std::memory_order_relaxed);
   const uint32_t neighbour = w_->main_neighbour.value.load(std::memory_order_seq_cst);
   if (neighbour != 0 && cpu != static_cast<uint32_t>(sched_getcpu() + 1)) {
+    // Until the neighbour took the wake-up over, or main woke by itself (it
+    // then sees `done` before it sleeps again: see spin_then_sleep).
     const int64_t start = monotonic_ns();
     for (uint32_t i = 1; w_->main_wake_claim.value.load(std::memory_order_acquire) != round; ++i) {
       cpu_relax();
-      if ((i & 15) == 0 && monotonic_ns() - start >= kNeighbourWakeNs) {
+      if (w_->main_sleeping.value.load(std::memory_order_seq_cst) == 0) return;
+      if ((i & 15) == 0 && monotonic_ns() - start >= neighbour_wait_ns_) {
         // A neighbour that died while it spun would make every such round wait.
         uint32_t dead = neighbour;
         if (kill(static_cast<pid_t>(neighbour), 0) != 0 && errno == ESRCH) {

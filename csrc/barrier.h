@@ -112,6 +112,8 @@ class StepBarrier {
   // How long the last arrival waits for main's neighbour to wake main before
   // it does so itself (the neighbour may have lost its CPU, or died).
   static constexpr int64_t kNeighbourWakeNs = 5'000;
+  // [worker] That wait, for this object's arrivals (tests make it long).
+  void set_neighbour_wait_ns(int64_t ns) noexcept { neighbour_wait_ns_ = ns; }
 
  private:
   friend class MainNeighbour;
@@ -122,6 +124,7 @@ class StepBarrier {
   BarrierWords* w_;
   uint32_t num_workers_;
   uint32_t pid_;
+  int64_t neighbour_wait_ns_ = kNeighbourWakeNs;
   // The spin of whoever waits on this object: main in wait_done, a worker in
   // wait_command (each process has its own StepBarrier over the words).
   AdaptiveSpin spin_;
