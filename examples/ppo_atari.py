@@ -43,7 +43,8 @@ Its reward is written when env ``e`` next comes back: a row of a batch completes
 the entry ``count[e] - 1`` of its env and opens entry ``count[e]``. So each env's
 entries are its own trajectory in order, whatever order the envs come back in.
 Every env always has exactly one open entry (its action is in flight). When
-``num_envs * num_steps`` transitions are complete, the update runs: each env's
+``num_envs * num_steps`` transitions are complete (in async mode up to a batch more,
+when a batch held an env's reset next to other envs' steps), the update runs: each env's
 open entry supplies the bootstrap value (and done) of the env's last complete
 transition, and GAE runs down each env's own entries. Afterwards the open entry
 moves to index 0 of the next rollout. In async mode its action was already sent

@@ -265,12 +265,17 @@ def test_async_envs_run():
     lines = _run("--async-envs")
     (final,) = _finals(lines)
     assert lines[-1] == final.group(0)
-    assert int(final["steps"]) == 128 and int(final["sps"]) > 0 and final["async"] == "True"
+    assert int(final["sps"]) > 0 and final["async"] == "True"
     assert "batch_size=2" in lines[0]
-    assert [line.split()[2] for line in lines if line.startswith("iter ")] == [
-        "step=64",
-        "step=128",
-    ]
+    iters = [line.split()[2] for line in lines if line.startswith("iter ")]
+    steps = [int(step.removeprefix("step=")) for step in iters]
+    assert len(steps) == 2 and steps[-1] == int(final["steps"])
+    # Each rollout completes 64 transitions (4 envs x 16 steps), or 65 when one of its
+    # batches of 2 held an env's reset (which completes nothing) and another env's
+    # step: under load one worker's resets can come back after the other worker's
+    # envs have stepped (5 to 7 runs in 20 with a busy core). Every other row of a
+    # batch completes one transition.
+    assert steps[0] in (64, 65) and steps[1] - steps[0] in (64, 65)
 
 
 def test_missing_envpool_is_said_clearly():
