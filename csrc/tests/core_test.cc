@@ -385,7 +385,7 @@ void test_barrier_neighbour() {
       const uint32_t last = mine.generation();
       spinning.store(last);
       Command cmd{};
-      CHECK(mine.wait_command(last, kSec, kWaitLimit, &cmd) == WaitStatus::kReady);
+      CHECK(mine.wait_command(last, kWaitLimit, kWaitLimit, &cmd) == WaitStatus::kReady);
       if (cmd.kind == kCmdStop) return;
     }
   });
