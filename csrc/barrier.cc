@@ -6,6 +6,12 @@
 #include <climits>
 
 namespace shmvec {
+namespace {
+
+// How the words name a CPU: 1 + the calling thread's CPU (0: unknown).
+uint32_t cpu_word() noexcept { return static_cast<uint32_t>(sched_getcpu() + 1); }
+
+}  // namespace
 
 void StepBarrier::post(uint32_t kind, uint32_t arg) noexcept {
   w_->done.value.store(0, std::memory_order_relaxed);
@@ -22,7 +28,11 @@ void StepBarrier::post(uint32_t kind, uint32_t arg) noexcept {
 
 WaitStatus StepBarrier::wait_done(int64_t spin_ns, int64_t timeout_ns) noexcept {
   const uint32_t target = num_workers_;
-  w_->main_cpu.value.store(static_cast<uint32_t>(sched_getcpu() + 1), std::memory_order_relaxed);
+  // Stored only when it changes: workers read the word at every wait.
+  const uint32_t cpu = cpu_word();
+  if (w_->main_cpu.value.load(std::memory_order_relaxed) != cpu) {
+    w_->main_cpu.value.store(cpu, std::memory_order_relaxed);
+  }
   return adaptive_wait(
       w_->done.value, w_->main_sleeping.value,
       [target](uint32_t done) { return done >= target; }, spin_, spin_ns, timeout_ns);
@@ -39,7 +49,7 @@ class MainNeighbour {
  public:
   MainNeighbour(StepBarrier* barrier, uint32_t round) noexcept : b_(barrier), round_(round) {
     const uint32_t cpu = b_->w_->main_cpu.value.load(std::memory_order_relaxed);
-    if (cpu == 0 || cpu != static_cast<uint32_t>(sched_getcpu() + 1)) return;
+    if (cpu == 0 || cpu != cpu_word()) return;
     uint32_t none = 0;
     active_ = b_->w_->main_neighbour.value.compare_exchange_strong(none, b_->pid_,
                                                                    std::memory_order_seq_cst);
@@ -104,7 +114,7 @@ void StepBarrier::arrive(bool message) noexcept {
   }
   const uint32_t cpu = w_->main_cpu.value.load(std::memory_order_relaxed);
   const uint32_t neighbour = w_->main_neighbour.value.load(std::memory_order_seq_cst);
-  if (neighbour != 0 && cpu != static_cast<uint32_t>(sched_getcpu() + 1)) {
+  if (neighbour != 0 && cpu != cpu_word()) {
     // Until the neighbour took the wake-up over, or main woke by itself (it
     // then sees `done` before it sleeps again: see spin_then_sleep).
     const int64_t start = monotonic_ns();
