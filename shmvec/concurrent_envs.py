@@ -343,7 +343,7 @@ class ConcurrentEnvs:
     def _decided(self) -> None:
         self.pool.grow(self.governor.threads if self.governor.threads > 1 else 0)
         self._publish_threads()
-        if self.governor.threads > 1 and self._cpu is not None:
+        if self.governor.threads > 1:
             self._next_child_check = 0.0  # now, before any thread is placed
             self._check_children()
         if self._cpu is not None:
