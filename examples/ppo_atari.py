@@ -418,7 +418,13 @@ def make_vector(name: str, args: Args, device: torch.device):
             return ShmAsyncVector(envs), about
         return StepVector(envs, args.num_envs, device, to_tensor=False), about
     if name == "gymnasium-async":
-        envs = gym.vector.AsyncVectorEnv(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        # Forked after CUDA is initialized (an earlier --vector, the network), its
+        # workers abort with "CUDA error: initialization error": gymnasium does not
+        # choose the start method by itself, so this loop does, as shmvec does.
+        context = "forkserver" if torch.cuda.is_initialized() else None
+        envs = gym.vector.AsyncVectorEnv(
+            env_fns, autoreset_mode=AutoresetMode.SAME_STEP, context=context
+        )
         return StepVector(envs, args.num_envs, device, to_tensor=True), "gymnasium AsyncVectorEnv"
     if name == "envpool":
         if importlib.util.find_spec("envpool") is None:

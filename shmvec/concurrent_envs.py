@@ -22,7 +22,9 @@ another CPU (measured on the 2-core VM, 2 workers x 128 envs that wait 20 ms:
 CPU per env step 62 -> 30 us, 73% -> 81% of 256 / 20 ms). A child process
 inherits the CPU of the thread that starts it, so a worker whose envs start
 processes (sandboxes, tool calls) is unplaced for good, its children too,
-once it has any (checked every ``CHILD_CHECK_S``).
+once it has any (checked every ``CHILD_CHECK_S``). A worker pinned to its CPU
+(``pin=True``, see ``shmvec.spin.pin_workers``) steps there serially too, and
+is unpinned the same way (checked at least every ``REPROBE_ROUNDS`` rounds).
 
 Each env is stepped by one thread at a time and writes its results at its
 own row (sync mode) or a row it claims (async mode), so results never depend
@@ -181,10 +183,11 @@ class EnvThreadPool:
     """Daemon threads that run tasks from one queue (started as needed), on
     the CPUs ``place`` gives them."""
 
-    def __init__(self) -> None:
+    def __init__(self, everywhere: set[int]) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._cpus: set[int] | None = None  # None: those the process may use
+        self._everywhere = everywhere  # the CPUs the process may use
+        self._cpus: set[int] | None = None  # None: everywhere
         self._placement = 0  # bumped by place(); each thread compares its own
 
     def place(self, cpus: set[int] | None) -> None:
@@ -211,13 +214,12 @@ class EnvThreadPool:
 
     def _serve(self) -> None:
         placement = 0
-        everywhere = os.sched_getaffinity(0)
         while True:
             task = self._tasks.get()
             if placement != self._placement:
                 placement = self._placement
                 try:
-                    os.sched_setaffinity(0, self._cpus or everywhere)
+                    os.sched_setaffinity(0, self._cpus or self._everywhere)
                 except OSError:
                     pass  # a CPU taken away meanwhile: it stays where it is
             try:
@@ -312,13 +314,20 @@ class ConcurrentEnvs:
         env_started=None,
         threads_word=None,
         cpu: int | None = None,
+        pin: bool = False,
     ) -> None:
         self.governor = ConcurrencyGovernor(block_size, cap)
         # The CPU for this worker's env threads (None: never placed).
         self._cpu = cpu if cpu is not None and _can_find_children() else None
         self._next_child_check = 0.0
+        self._everywhere = os.sched_getaffinity(0)
+        # The calling thread (the one that steps serially) runs on _cpu alone,
+        # unless its envs started processes already (see _check_children).
+        self._pinned = pin and self._cpu is not None and not _child_pids()
+        if self._pinned:
+            os.sched_setaffinity(0, {self._cpu})
         self.first_env = first_env
-        self.pool = EnvThreadPool()
+        self.pool = EnvThreadPool(self._everywhere)
         self.running = RunningEnvs(first_env, current_env, env_started)
         self._threads_word = threads_word
         self._probe: WaitProbe | None = None
@@ -333,7 +342,10 @@ class ConcurrentEnvs:
         self._publish_threads()
 
     def spin_ns(self, spin_ns: int) -> int:
-        """Spinning for the next command steals the core the env threads need."""
+        """Spinning for the next command steals the core the env threads need.
+        Called before every wait for a command (sync and async mode)."""
+        if self._pinned:
+            self._check_children()
         return 0 if self.governor.threads > 1 else spin_ns
 
     def _publish_threads(self) -> None:
@@ -350,8 +362,9 @@ class ConcurrentEnvs:
             self.pool.place({self._cpu} if self.governor.threads > 1 else None)
 
     def _check_children(self) -> None:
-        """Unplaces the env threads for good, and frees the CPU of the
-        children placed with them, once this process has child processes."""
+        """Unplaces the env threads (and unpins this thread) for good, and frees
+        the CPU of the children placed with them, once this process has child
+        processes. Called from the thread that steps serially."""
         now = time.monotonic()
         if self._cpu is None or now < self._next_child_check:
             return
@@ -361,10 +374,12 @@ class ConcurrentEnvs:
             return
         self._cpu = None
         self.pool.place(None)
-        everywhere = os.sched_getaffinity(0)
+        if self._pinned:
+            self._pinned = False
+            os.sched_setaffinity(0, self._everywhere)
         for pid in children:
             try:
-                os.sched_setaffinity(pid, everywhere)
+                os.sched_setaffinity(pid, self._everywhere)
             except OSError:
                 pass  # gone already
 
@@ -378,8 +393,12 @@ class ConcurrentEnvs:
     def serial_rounds(self) -> int:
         """How many step rounds ``_worker_loop.SerialRounds`` may run before this
         hook must decide again (0: now); the worker says how many ran with
-        ``ran_serial``."""
-        return self.governor.serial_rounds() if self.governor.threads <= 1 else 0
+        ``ran_serial``. A pinned worker comes back at least every
+        ``REPROBE_ROUNDS`` rounds to look for child processes."""
+        if self.governor.threads > 1:
+            return 0
+        rounds = self.governor.serial_rounds()
+        return min(rounds, REPROBE_ROUNDS) if self._pinned else rounds
 
     def ran_serial(self, rounds: int) -> None:
         self.governor.ran(rounds)

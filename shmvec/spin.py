@@ -68,6 +68,22 @@ def default_spin(num_processes: int, cpus: int | None = None) -> SpinPolicy:
     return SpinPolicy(main_ns=0, worker_ns=SHARED_SPIN_NS)
 
 
+def pin_workers(num_processes: int, async_mode: bool, cpus: int | None = None) -> bool:
+    """Whether worker processes are each kept on one CPU by default: in sync
+    mode, when there are as many as the cores or more, on ``MANY_CORES`` or more.
+
+    Measured on a 16-core VM (16 workers and main; docs/scale-16core.md):
+    unpinned, the scheduler often queues a woken worker behind another on one
+    CPU while main's CPU idles, so a sync round's last worker starts a whole
+    block of env steps late (cpu100us: 1.65 ms of a 3.4 ms round at 256 envs,
+    0.5 ms of 1.0 ms at 64); pinned, or with 15 workers (a core to spare), it
+    starts within ~60 us. In async mode pinning cost 5-40% (CartPole, cpu100us):
+    there a worker that wakes main yields its core to it and runs on elsewhere.
+    """
+    cpus = available_cpus() if cpus is None else cpus
+    return not async_mode and cpus >= MANY_CORES and num_processes >= cpus
+
+
 def fixed_spin(spin_ns: int) -> SpinPolicy:
     """``spin_ns=`` given by the user: every waiter spins exactly that long."""
     if spin_ns < 0:

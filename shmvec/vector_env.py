@@ -71,7 +71,7 @@ from shmvec.protocol import (
     SET_ATTR,
     STEP,
 )
-from shmvec.spin import available_cpus, default_spin, fixed_spin
+from shmvec.spin import available_cpus, default_spin, fixed_spin, pin_workers
 from shmvec.worker import WorkerSpec, check_env
 
 logger = logging.getLogger("shmvec")
@@ -124,6 +124,11 @@ class ShmVectorEnv(VectorEnvBase):
         env_concurrency: envs a worker may step at once, in threads, when they
             mostly wait (shmvec/concurrent_envs.py). None: decided by measuring;
             an int caps it (``1``: never).
+        pin_workers: keep each worker process on one CPU (worker ``k`` on the
+            ``k``-th usable CPU, round robin). None (default): in sync mode, when
+            there are at least as many worker processes as CPUs, on 8 CPUs or
+            more (``shmvec.spin.pin_workers``). A worker whose envs start processes
+            unpins itself and them (within a second, or 256 rounds if longer).
     """
 
     def __init__(
@@ -150,6 +155,7 @@ class ShmVectorEnv(VectorEnvBase):
         fallback: str | None = None,
         validate_actions: bool = False,
         env_concurrency: int | None = None,
+        pin_workers: bool | None = None,
     ) -> None:
         self.closed = True  # until the workers are up; close() is then a no-op
         if worker is not None:
@@ -165,6 +171,9 @@ class ShmVectorEnv(VectorEnvBase):
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.max_concurrency = _check_max_concurrency(max_concurrency)
         self._env_concurrency_arg = _check_env_concurrency(env_concurrency)
+        if pin_workers not in (None, True, False):
+            raise ValueError(f"pin_workers must be None, True or False, got {pin_workers!r}")
+        self._pin_workers_arg = pin_workers
         dummy_env = env_fns[0]()
         check_env(dummy_env, 0)
         self.metadata = {**dummy_env.metadata, "autoreset_mode": self.autoreset_mode}
@@ -236,6 +245,11 @@ class ShmVectorEnv(VectorEnvBase):
         )
         processes = self.num_workers - 1 if self.step_in_main else self.num_workers
         spin = default_spin(processes) if spin_ns is None else fixed_spin(spin_ns)
+        self.pin_workers = (
+            pin_workers(processes, self.is_async)
+            if self._pin_workers_arg is None
+            else self._pin_workers_arg
+        )
         engine = build_engine(
             _worker_spec(self, spin.worker_ns), self.env_fns, self._env_blocks,
             self._obs_codec, self._stats, spin,
@@ -542,7 +556,7 @@ def _worker_spec(env: ShmVectorEnv, spin_ns: int) -> WorkerSpec:
         main_pid=os.getpid(),
         use_death_signal=threading.current_thread() is threading.main_thread(),
         on_env_error=env.on_env_error,
-        env_concurrency=env.env_concurrency,
+        env_concurrency=env.env_concurrency, pin_cpu=env.pin_workers,
     )  # fmt: skip
 
 

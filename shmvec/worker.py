@@ -75,6 +75,8 @@ class WorkerSpec:
     info_schema: dict | None = None  # the dead worker's info columns, kept
     # Envs stepped at once at most (shmvec.concurrent_envs); None: up to the block.
     env_concurrency: int | None = None
+    # Step on one CPU (_worker_cpu) alone: shmvec.spin.pin_workers.
+    pin_cpu: bool = False
 
 
 class SegmentFd:
@@ -245,8 +247,8 @@ def _make_envs(spec: WorkerSpec) -> list:
 
 
 def _worker_cpu(index: int) -> int:
-    """The CPU for worker ``index``'s env threads: one per worker, round robin
-    over the CPUs this process may use."""
+    """The CPU for worker ``index``'s env threads (and the worker itself when
+    pinned): one per worker, round robin over the CPUs this process may use."""
     cpus = sorted(os.sched_getaffinity(0))
     return cpus[index % len(cpus)]
 
@@ -310,6 +312,7 @@ class Worker:
             self.layout.worker_env_threads(buffer)[line],
             # Placing threads is for worker processes: the main's are the user's.
             _worker_cpu(spec.index) if os.getpid() != spec.main_pid else None,
+            pin=spec.pin_cpu,
         )
         # Plain sync step rounds run in Cython (pickled observations need _message's dict)
         self.serial_rounds = None

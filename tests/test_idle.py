@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import shmvec
-from shmvec.spin import SHARED_SPIN_NS, SPIN_CAP_NS, default_spin
+from shmvec.spin import SHARED_SPIN_NS, SPIN_CAP_NS, default_spin, pin_workers
 
 IDLE_S = 1.0
 #: The issue's bound: < 2% of one core over all processes of the vector env.
@@ -90,6 +90,15 @@ def test_default_spin_policy_by_cores():
     assert default_spin(15, cpus=16) == (-SPIN_CAP_NS, -SPIN_CAP_NS)
     assert default_spin(4, cpus=4) == (0, -SPIN_CAP_NS)
     assert default_spin(5, cpus=4) == (0, SHARED_SPIN_NS)
+
+
+def test_default_pinning_by_cores():
+    # Pinned in sync mode when the worker processes fill the cores, on 8 cores or more.
+    assert pin_workers(16, False, cpus=16) and pin_workers(64, False, cpus=16)
+    assert pin_workers(8, False, cpus=8)
+    assert not pin_workers(16, True, cpus=16)  # async mode
+    assert not pin_workers(15, False, cpus=16)  # main has a core to spare
+    assert not pin_workers(2, False, cpus=2) and not pin_workers(8, False, cpus=4)  # few cores
 
 
 def test_negative_spin_ns_is_refused():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import time
 
@@ -166,7 +167,7 @@ def test_wait_probe_tells_sleep_from_work():
 
 
 def test_pool_map_keeps_item_order_and_returns_exceptions():
-    pool = EnvThreadPool()
+    pool = EnvThreadPool(os.sched_getaffinity(0))
     pool.grow(4)
 
     def work(i: int) -> int:
@@ -354,6 +355,69 @@ def test_a_worker_whose_envs_start_processes_runs_them_everywhere(monkeypatch):
         assert infos["child_cpus"][:2].tolist() == [everywhere, everywhere]
     finally:
         envs.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_pinned_workers_step_on_their_cpu_until_their_envs_start_processes(monkeypatch):
+    monkeypatch.setattr(concurrent_envs, "CHILD_CHECK_S", 0.0)  # workers fork from here
+    everywhere = sorted(os.sched_getaffinity(0))
+    envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(4)], num_workers=2,
+                        env_concurrency=1, pin_workers=True, context="fork")  # fmt: skip
+    try:
+        assert envs.pin_workers
+        envs.reset(seed=0)
+        actions = np.zeros(4, dtype=np.int64)
+        infos = envs.step(actions)[4]
+        # Serial steps, in the worker's own thread: worker k on the k-th CPU.
+        assert envs.stats()["worker_env_threads"] == [1, 1]
+        assert infos["cpus"].tolist() == [1, 1, 1, 1]
+        assert infos["first_cpu"].tolist() == [everywhere[0]] * 2 + [everywhere[1]] * 2
+        # Worker 0's envs start sandboxes: pinned with it at first, then it
+        # unpins itself and them at its next check (at the latest after a run
+        # of serial rounds); worker 1 stays pinned.
+        envs.set_attr("spawn", [True, True, False, False])
+        assert envs.step(actions)[4]["child_cpus"][:2].tolist() == [1, 1]
+        for _ in range(REPROBE_ROUNDS + 2):
+            infos = envs.step(actions)[4]
+            if infos["cpus"][0] > 1:
+                break
+        assert infos["cpus"].tolist() == [len(everywhere)] * 2 + [1, 1]
+        assert infos["child_cpus"][:2].tolist() == [len(everywhere)] * 2
+    finally:
+        envs.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_a_restarted_worker_is_pinned_to_the_same_cpu():
+    everywhere = sorted(os.sched_getaffinity(0))
+    envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(2)], num_workers=2,
+                        pin_workers=True, on_worker_death="restart")  # fmt: skip
+    try:
+        envs.reset(seed=0)
+        actions = np.zeros(2, dtype=np.int64)
+        old = envs._pool.workers[1].pid
+        os.kill(old, signal.SIGKILL)
+        while envs._pool.workers[1].pid == old:
+            envs.step(actions)
+        envs.step(actions)  # the restarted env's autoreset (it reported truncated)
+        infos = envs.step(actions)[4]
+        assert infos["cpus"].tolist() == [1, 1]
+        assert infos["first_cpu"].tolist() == everywhere[:2]
+    finally:
+        envs.close()
+
+
+def test_unpinned_workers_may_use_every_cpu():
+    everywhere = len(os.sched_getaffinity(0))
+    envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(2)], num_workers=2,
+                        env_concurrency=1, pin_workers=False)  # fmt: skip
+    try:
+        envs.reset(seed=0)
+        assert envs.step(np.zeros(2, dtype=np.int64))[4]["cpus"].tolist() == [everywhere] * 2
+    finally:
+        envs.close()
+    with pytest.raises(ValueError, match="pin_workers must be None, True or False"):
+        ShmVectorEnv([lambda: PlacedEnv(0)], pin_workers="yes")
 
 
 def reference_step(env, mode, ended, action):
