@@ -16,7 +16,13 @@ peer on the same core gets it back quickly):
   cores, where the wake-ups cost more than the share a spinner takes), main
   and workers spin adaptively up to ``SPIN_CAP_NS``: on a 16-core VM (16
   workers), spinning 200 us instead of 0 (main) and 50 (workers) lifted
-  cpu100us x64 from 72k to 109k steps/s.
+  cpu100us x64 from 72k to 109k steps/s. From ``MANY_CORES`` cores on the cap
+  is ``MANY_CORES_SPIN_CAP_NS``: on the 16-core VM with pinned workers, a
+  fixed 500 us spin against the 200 us adaptive cap gave 1.07-1.09x (cpu100us
+  x16, x64; CartPole x64, x256, sync) and 1.14x (cpu100us x64, async),
+  medians of 3 alternated runs; then the 500 us adaptive cap against the
+  200 us one: cpu100us x64 1.03x sync, 1.11x async, x16 and CartPole x256
+  within noise (docs/scale-16core.md).
 - When processes share cores (2 workers and main on 2 cores), a spinning main
   steals time from the very worker it waits for: with CartPole-v1 x32, a
   50 us main spin cut throughput from ~150k to ~85-105k steps/s. There main
@@ -41,6 +47,8 @@ SPIN_CAP_NS = 200_000
 SHARED_SPIN_NS = 50_000
 #: From this many cores on, one process more than cores still lets main spin.
 MANY_CORES = 8
+#: The adaptive spin's cap there: a round's stragglers and main's turn take longer.
+MANY_CORES_SPIN_CAP_NS = 500_000
 
 
 class SpinPolicy(NamedTuple):
@@ -62,7 +70,8 @@ def default_spin(num_processes: int, cpus: int | None = None) -> SpinPolicy:
     cpus = available_cpus() if cpus is None else cpus
     over = num_processes + 1 - cpus
     if over <= 0 or (over == 1 and cpus >= MANY_CORES):
-        return SpinPolicy(main_ns=-SPIN_CAP_NS, worker_ns=-SPIN_CAP_NS)
+        cap = MANY_CORES_SPIN_CAP_NS if cpus >= MANY_CORES else SPIN_CAP_NS
+        return SpinPolicy(main_ns=-cap, worker_ns=-cap)
     if num_processes <= cpus:  # a core per worker; main shares one
         return SpinPolicy(main_ns=0, worker_ns=-SPIN_CAP_NS)
     return SpinPolicy(main_ns=0, worker_ns=SHARED_SPIN_NS)

@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 
 import shmvec
-from shmvec.spin import SHARED_SPIN_NS, SPIN_CAP_NS, default_spin, pin_workers
+from shmvec.spin import (
+    MANY_CORES_SPIN_CAP_NS,
+    SHARED_SPIN_NS,
+    SPIN_CAP_NS,
+    default_spin,
+    pin_workers,
+)
 
 IDLE_S = 1.0
 #: The issue's bound: < 2% of one core over all processes of the vector env.
@@ -84,10 +90,11 @@ def test_default_spin_policy_by_cores():
     assert default_spin(2, cpus=2) == (0, -SPIN_CAP_NS)
     assert default_spin(3, cpus=2) == (0, SHARED_SPIN_NS)
     assert default_spin(16, cpus=8) == (0, SHARED_SPIN_NS)
-    # Each process has a core, or one over on many cores: adaptive (negative = cap).
+    # Each process has a core, or one over on many cores: adaptive (negative = cap),
+    # with a longer cap on many cores.
     assert default_spin(1, cpus=2) == (-SPIN_CAP_NS, -SPIN_CAP_NS)
-    assert default_spin(16, cpus=16) == (-SPIN_CAP_NS, -SPIN_CAP_NS)
-    assert default_spin(15, cpus=16) == (-SPIN_CAP_NS, -SPIN_CAP_NS)
+    assert default_spin(16, cpus=16) == (-MANY_CORES_SPIN_CAP_NS, -MANY_CORES_SPIN_CAP_NS)
+    assert default_spin(15, cpus=16) == (-MANY_CORES_SPIN_CAP_NS, -MANY_CORES_SPIN_CAP_NS)
     assert default_spin(4, cpus=4) == (0, -SPIN_CAP_NS)
     assert default_spin(5, cpus=4) == (0, SHARED_SPIN_NS)
 

@@ -1,0 +1,96 @@
+"""Steps/s of ShmVectorEnv variants, alternated in one run (medians of repeats).
+
+    python tools/ab.py [--variants default unpinned ...] [--cases NAME ...]
+                       [--seconds S] [--repeats R]
+
+Sync cases step every env each call; async cases (``batch``) run the
+``recv``/``send`` loop on batches of that many envs. Session 9 ran
+``--variants default unpinned`` (docs/device-session9/run6-pin-ab.log, where
+``default`` pinned every mode) and the spin variants on 16 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from shmvec import ShmVectorEnv, spin
+from shmvec_bench.workloads import WORKLOADS
+
+CASES = {  # name: (workload, num_envs, batch (None: sync))
+    "cartpole-16": ("cartpole", 16, None),
+    "cartpole-64": ("cartpole", 64, None),
+    "cartpole-256": ("cartpole", 256, None),
+    "cpu100us-16": ("cpu100us", 16, None),
+    "cpu100us-64": ("cpu100us", 64, None),
+    "cartpole-16-async": ("cartpole", 16, 8),
+    "cartpole-64-async": ("cartpole", 64, 32),
+    "cartpole-256-async": ("cartpole", 256, 128),
+    "cpu100us-64-async": ("cpu100us", 64, 32),
+}
+VARIANTS = {
+    "default": {},
+    "pinned": {"pin_workers": True},
+    "unpinned": {"pin_workers": False},
+    "spin100us": {"spin_ns": 100_000},
+    "spin500us": {"spin_ns": 500_000},
+    "cap200us": {"_many_cores_cap": 200_000},  # the cap before session 9
+}
+
+
+def rate(workload: str, n: int, batch: int | None, seconds: float, **kwargs) -> float:
+    cap = kwargs.pop("_many_cores_cap", None)
+    saved = spin.MANY_CORES_SPIN_CAP_NS
+    spin.MANY_CORES_SPIN_CAP_NS = saved if cap is None else cap
+    try:
+        env = ShmVectorEnv([WORKLOADS[workload]] * n, batch_size=batch, **kwargs)
+    finally:
+        spin.MANY_CORES_SPIN_CAP_NS = saved
+    try:
+        actions = np.zeros(n, dtype=np.int64)
+        if batch is None:
+            env.reset(seed=0)
+            step = lambda: env.step(actions) and n  # noqa: E731
+        else:
+            env.async_reset(seed=0)
+
+            def step():
+                ids = env.recv()[-1]["env_id"]
+                env.send(actions[: len(ids)], ids)
+                return len(ids)
+
+            for _ in range(3 * n // batch):  # every env back once
+                step()
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            step()
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            steps += step()
+        return steps / (time.perf_counter() - start)
+    finally:
+        env.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", nargs="+", default=["default", "unpinned"])
+    parser.add_argument("--cases", nargs="+", default=list(CASES))
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    for case in args.cases:
+        workload, n, batch = CASES[case]
+        got: dict[str, list[float]] = {v: [] for v in args.variants}
+        for _ in range(args.repeats):
+            for variant in args.variants:
+                got[variant].append(rate(workload, n, batch, args.seconds, **VARIANTS[variant]))
+        base = statistics.median(got[args.variants[0]])
+        cells = "  ".join(
+            f"{v} {statistics.median(r):>11,.0f} ({statistics.median(r) / base:.2f})"
+            for v, r in got.items()
+        )
+        print(f"{case:20s} {cells}  runs: {got}", flush=True)
