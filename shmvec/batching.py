@@ -38,11 +38,16 @@ def check_env_ids(env_ids: Any, num_envs: int) -> np.ndarray:
     if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
         raise TypeError(f"env_ids must be a 1-D array of ints, got {env_ids!r}")
     ids = ids.astype(np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_envs):
+    # One bincount checks both (called for every async send): it refuses
+    # negative ids, and counts ids past the end in extra bins.
+    try:
+        counts = np.bincount(ids, minlength=num_envs)
+    except ValueError:
+        counts = None
+    if counts is None or len(counts) > num_envs:
         bad = ids[(ids < 0) | (ids >= num_envs)]
         raise ValueError(f"env_ids {bad.tolist()} out of range [0, {num_envs})")
-    counts = np.bincount(ids, minlength=num_envs)
-    if len(ids) != np.count_nonzero(counts):
+    if ids.size and counts.max() > 1:
         raise ValueError(f"env_ids {np.flatnonzero(counts > 1).tolist()} appear more than once")
     return ids
 

@@ -34,6 +34,9 @@ def test_check_env_ids_says_what_is_wrong():
         check_env_ids([0.5], 3)
     with pytest.raises(ValueError, match=r"env_ids \[3\] out of range"):
         check_env_ids([0, 3], 3)
+    with pytest.raises(ValueError, match=r"env_ids \[-1, 5\] out of range"):
+        check_env_ids([-1, 0, 5], 3)
+    assert check_env_ids([], 3).tolist() == []
     with pytest.raises(ValueError, match=r"env_ids \[1\] appear more than once"):
         check_env_ids([1, 1], 3)
 

@@ -265,6 +265,8 @@ class AsyncEngine:
     def _row_messages(self, slot: int, views, env_ids: np.ndarray, messages: dict) -> None:
         """Adds to ``messages`` those of the rows that have one, by row (after a
         worker's restart, the rows it still lacks)."""
+        if not views.messages.any():
+            return  # the common case: no row sent a message
         for row in np.flatnonzero(views.messages).tolist():
             if row in messages:
                 continue
