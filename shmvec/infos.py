@@ -16,6 +16,7 @@ env order) that reports the key, later values are cast into it, and
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,15 +53,25 @@ def _decode(code: int, cell: np.ndarray) -> Any:
 
 
 def gather(
-    schemas: list[dict], groups: list, codes: np.ndarray, cells: np.ndarray, rows: int
+    schemas: list[dict], groups: Callable[[], list], codes: np.ndarray, cells: np.ndarray, rows: int
 ) -> dict[Any, tuple[np.ndarray, np.ndarray]]:
     """Per key: (codes, cells) arrays of length ``rows``, from every worker's columns.
 
-    ``groups[w]`` selects the rows worker ``w`` wrote (a slice or index array):
-    each worker numbers its columns on its own.
+    Each worker numbers its columns on its own. When they all numbered them
+    alike (the steady state: every env reports the same keys), a key's column
+    is read for all rows at once; else ``groups()[w]`` selects the rows worker
+    ``w`` wrote (a slice or index array). The arrays may be views of
+    ``codes``/``cells``: read them before the ring slot is reused.
     """
     gathered: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
-    for schema, group in zip(schemas, groups):
+    first = schemas[0]
+    if all(schema == first for schema in schemas):
+        for key, col in first.items():
+            key_codes = codes[:rows, col]
+            if key_codes.any():
+                gathered[key] = (key_codes, cells[:rows, col])
+        return gathered
+    for schema, group in zip(schemas, groups()):
         for key, col in schema.items():
             group_codes = codes[group, col]
             if not group_codes.any():
@@ -77,6 +88,11 @@ def merge_columns(infos: dict, gathered: dict, num_envs: int) -> dict:
     """Adds the column infos to ``infos`` as ``_add_info`` would (no other infos)."""
     for key, (key_codes, key_cells) in gathered.items():
         present = key_codes != 0
+        first = int(key_codes[0])
+        if first and (key_codes == first).all():  # every env, one type: the usual case
+            infos[key] = key_cells.view(_CELL_VIEWS[first]).astype(_BATCH_DTYPES[first])
+            infos[f"_{key}"] = present
+            continue
         rows = np.flatnonzero(present)
         first = int(key_codes[rows[0]])
         array = np.zeros(num_envs, dtype=_BATCH_DTYPES[first])

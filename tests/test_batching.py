@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from gymnasium.vector.vector_env import VectorEnv
 
+from shmvec import infos as info_columns
 from shmvec.batching import (
     batch_infos,
     check_env_ids,
@@ -103,3 +104,39 @@ def test_batch_infos_is_add_info_and_unbatch_info_inverts_it():
 def test_unbatch_infos_gives_unmasked_keys_to_every_env():
     infos = {"a": np.array([1, 2]), "_a": np.array([True, False]), "b": [7, 8]}
     assert unbatch_infos(infos, 2) == [{"a": 1, "b": 7}, {"b": 8}]
+
+
+@pytest.mark.parametrize("numbering", ["alike", "per worker"])
+def test_info_columns_merge_like_add_info(numbering):
+    # Two workers of 3 rows; keys in every row (one type), in some rows, and
+    # with mixed types (cast into the first row's type, as _add_info does).
+    per_row = [
+        {"lives": 3, "frame": np.int64(10), "mixed": 1},
+        {"lives": 2, "frame": np.int64(11), "mixed": 2.5},
+        {"lives": 1, "frame": np.int64(12)},
+        {"lives": 0, "frame": np.int64(13), "score": np.float32(0.5)},
+        {"lives": 5, "frame": np.int64(14), "mixed": np.float32(3.25)},
+        {"lives": 4, "frame": np.int64(15)},
+    ]
+    keys = ["lives", "frame", "mixed", "score"]
+    schemas = [{k: c for c, k in enumerate(keys)} for _ in range(2)]
+    if numbering == "per worker":
+        schemas[1] = {k: c for c, k in enumerate(reversed(keys))}
+    groups = [slice(0, 3), slice(3, 6)]
+    codes = np.zeros((6, info_columns.INFO_COLUMNS), np.uint8)
+    cells = np.zeros((6, info_columns.INFO_COLUMNS), np.uint64)
+    for row, info in enumerate(per_row):
+        schema = schemas[row // 3]
+        for key, value in info.items():
+            code = info_columns.CODES[type(value)]
+            codes[row, schema[key]] = code
+            cells[row : row + 1, schema[key]].view(info_columns._CELL_VIEWS[code])[0] = value
+    expected: dict = {}
+    for row, info in enumerate(per_row):
+        expected = _Rows(6)._add_info(expected, info, row)
+    gathered = info_columns.gather(schemas, lambda: groups, codes, cells, 6)
+    merged = info_columns.merge_columns({}, gathered, 6)
+    assert merged.keys() == expected.keys()
+    for key in expected:
+        assert merged[key].dtype == expected[key].dtype, key
+        assert np.array_equal(merged[key], expected[key]), key

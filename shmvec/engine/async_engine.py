@@ -212,11 +212,9 @@ class AsyncEngine:
         raise_errors(messages.values(), self.decoder)
         decoder = self.decoder
         obs = decoder.rows_obs(views, messages, self.batch_size)
-        groups = []  # the rows each worker wrote: needed for info columns only
-        if any(decoder.schemas):
-            workers = self.env_worker[env_ids]
-            groups = [np.flatnonzero(workers == index) for index in range(pool.num_workers)]
-        infos = decoder.merge_infos(views, groups, messages.values(), self.batch_size)
+        infos = decoder.merge_infos(
+            views, lambda: self._worker_rows(env_ids), messages.values(), self.batch_size
+        )
         if "env_error" in infos:
             self.stats.note_env_resets(infos, env_ids)
         infos["env_id"] = env_ids
@@ -224,6 +222,11 @@ class AsyncEngine:
         if self.decides_handoff and self.turns % HANDOFF_SAMPLE == 0:
             self.turn_started = (time.perf_counter(), _thread_usage())
         return (obs, *decoder.outcomes(slot), infos)
+
+    def _worker_rows(self, env_ids: np.ndarray) -> list[np.ndarray]:
+        """Per worker, the rows of this batch that it wrote."""
+        workers = self.env_worker[env_ids]
+        return [np.flatnonzero(workers == index) for index in range(self.pool.num_workers)]
 
     def _decide_handoff(self) -> None:
         """Sets the ring's hand-off from main's last turn (``HANDOFF_MAX_CPU_SHARE``)."""

@@ -8,6 +8,7 @@ and the infos dict, with one info merge for whole batches and async rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,10 +48,11 @@ class ResultDecoder:
         """Worker ``index``'s info columns announced in ``message``."""
         self.schemas[index].update(message.get("info_columns", ()))
 
-    def merge_infos(self, views, groups: list, messages, rows: int) -> dict[str, Any]:
+    def merge_infos(self, views, groups: Callable[[], list], messages, rows: int) -> dict[str, Any]:
         """The infos of ``rows`` rows of ``views``: pickled ones from ``messages``
-        and numeric columns (``groups[w]``: the rows worker ``w`` wrote), merged
-        in row order as ``VectorEnv._add_info`` would."""
+        and numeric columns (``groups()[w]``: the rows worker ``w`` wrote, asked
+        for only when workers number their columns differently), merged in row
+        order as ``VectorEnv._add_info`` would."""
         gathered = {}
         if any(self.schemas):
             gathered = info_columns.gather(
@@ -69,7 +71,7 @@ class ResultDecoder:
         for index, message in messages.items():
             self.learn_columns(index, message)
         views = self.slots[slot]
-        return self.merge_infos(views, self.block_groups, messages.values(), self.num_envs)
+        return self.merge_infos(views, lambda: self.block_groups, messages.values(), self.num_envs)
 
     def batch_obs(self, slot: int, messages: dict[int, dict]) -> Any:
         """A sync round's observations."""
