@@ -13,6 +13,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+from gymnasium import spaces
 from gymnasium.error import AlreadyPendingCallError, ClosedEnvironmentError, NoAsyncCallError
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import iterate
@@ -324,3 +325,56 @@ class VectorEnvBase(VectorEnv):
             raise NoAsyncCallError(
                 f"Calling `{name}` without any prior call to `{sender}`.", state.value
             )
+
+
+def _leaf_batches(space: gym.Space, batch: Any, path: str = "actions"):
+    """Yields ``(path, leaf batch)`` for every leaf of a batch of ``space``."""
+    if isinstance(space, spaces.Dict):
+        for key, sub in space.spaces.items():
+            yield from _leaf_batches(sub, batch[key], f"{path}[{key!r}]")
+    elif isinstance(space, spaces.Tuple):
+        for i, sub in enumerate(space.spaces):
+            yield from _leaf_batches(sub, batch[i], f"{path}[{i}]")
+    else:
+        yield path, batch
+
+
+def check_rows(space: gym.Space, batch: Any, rows: int) -> None:
+    """A ValueError unless every leaf of ``batch`` has ``rows`` rows."""
+    for path, leaf in _leaf_batches(space, batch):
+        if isinstance(leaf, np.ndarray):
+            size = leaf.shape[0] if leaf.ndim else None
+        else:
+            size = len(leaf) if isinstance(leaf, (list, tuple)) else None
+        if size != rows:
+            raise ValueError(f"{path} has {size} rows, expected {rows} (one per env)")
+
+
+def take_rows(space: gym.Space, batch: Any, rows: slice | np.ndarray | range) -> Any:
+    """Rows ``rows`` of a batch of ``space`` (arrays, or per-env sequences at leaves)."""
+    if isinstance(rows, range):
+        rows = slice(rows.start, rows.stop)
+    if isinstance(space, spaces.Dict):
+        return {key: take_rows(sub, batch[key], rows) for key, sub in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        return tuple(take_rows(sub, batch[i], rows) for i, sub in enumerate(space.spaces))
+    if isinstance(batch, np.ndarray):
+        return batch[rows]
+    return [batch[i] for i in np.arange(len(batch))[rows]]
+
+
+def in_env_order(space: gym.Space, actions: Any, env_ids: Any, num_envs: int) -> Any:
+    """Sync mode's ``send``: ``actions`` (row ``i`` for env ``env_ids[i]``) in env
+    order; ValueError unless ``env_ids`` names every env once."""
+    if env_ids is None:
+        return actions
+    ids = np.asarray(env_ids)
+    if ids.ndim != 1 or sorted(ids.tolist()) != list(range(num_envs)):
+        raise ValueError(
+            "with batch_size == num_envs, send() steps every env: env_ids must name "
+            f"each of the {num_envs} envs once, got {ids.tolist()}"
+        )
+    if np.array_equal(ids, np.arange(num_envs)):
+        return actions
+    check_rows(space, actions, num_envs)
+    return take_rows(space, actions, np.argsort(ids))

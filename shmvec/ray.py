@@ -64,11 +64,14 @@ from shmvec.batching import (
     batch_infos,
     check_env_ids,
     check_reset_mask,
+    check_rows,
     expand_options,
+    in_env_order,
     recv_whole_batch,
     rows_with_info,
     split_blocks,
     take_reset_mask,
+    take_rows,
     unbatch_info,
 )
 from shmvec.ray_actors import ACTOR_RESTARTED, ActorDiedError, ActorGroup, EnvActor
@@ -274,9 +277,9 @@ class RayVectorEnv(VectorEnvBase):
             raise RuntimeError(
                 "with batch_size < num_envs, step with send(actions, env_ids) and recv()"
             )
-        _check_rows(self.single_action_space, actions, self.num_envs)
+        check_rows(self.single_action_space, actions, self.num_envs)
         self._refs = {
-            k: actor.step.remote(_take_rows(self.single_action_space, actions, rows))
+            k: actor.step.remote(take_rows(self.single_action_space, actions, rows))
             for k, (actor, rows) in enumerate(zip(self.actors, self.actor_env_ids))
         }
         self._state = AsyncState.WAITING_STEP
@@ -335,14 +338,9 @@ class RayVectorEnv(VectorEnvBase):
                 raise ValueError("send() needs env_ids: no recv() has returned any yet")
             env_ids = self._last_env_ids
         ids = check_env_ids(env_ids, self.num_envs)
-        _check_rows(self.single_action_space, actions, len(ids))
+        check_rows(self.single_action_space, actions, len(ids))
         if not self.is_async:
-            if sorted(ids.tolist()) != list(range(self.num_envs)):
-                raise ValueError(
-                    "with batch_size == num_envs, send() steps every env: env_ids must name "
-                    f"each of the {self.num_envs} envs once, got {ids.tolist()}"
-                )
-            self.step_async(_take_rows(self.single_action_space, actions, np.argsort(ids)))
+            self.step_async(in_env_order(self.single_action_space, actions, ids, self.num_envs))
             return
         if not self._was_reset:
             raise RuntimeError("send() before async_reset(): reset the envs first")
@@ -350,7 +348,7 @@ class RayVectorEnv(VectorEnvBase):
         position[ids] = np.arange(len(ids))
         for k in _idle_actors(ids, self.actor_env_ids, self._busy(), "send"):
             rows = self.actor_env_ids[k]
-            block_actions = _take_rows(self.single_action_space, actions, position[rows])
+            block_actions = take_rows(self.single_action_space, actions, position[rows])
             self._pending[self.actors[k].step.remote(block_actions)] = (k, "step")
 
     def recv(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict]:
@@ -590,42 +588,6 @@ def _env_fns(
 
 
 _FIXED_SIZE = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
-
-
-def _leaf_batches(space: gym.Space, batch: Any, path: str = "actions"):
-    """Yields ``(path, leaf batch)`` for every leaf of a batch of ``space``."""
-    if isinstance(space, spaces.Dict):
-        for key, sub in space.spaces.items():
-            yield from _leaf_batches(sub, batch[key], f"{path}[{key!r}]")
-    elif isinstance(space, spaces.Tuple):
-        for i, sub in enumerate(space.spaces):
-            yield from _leaf_batches(sub, batch[i], f"{path}[{i}]")
-    else:
-        yield path, batch
-
-
-def _check_rows(space: gym.Space, batch: Any, rows: int) -> None:
-    """A ValueError unless every leaf of ``batch`` has ``rows`` rows."""
-    for path, leaf in _leaf_batches(space, batch):
-        if isinstance(leaf, np.ndarray):
-            size = leaf.shape[0] if leaf.ndim else None
-        else:
-            size = len(leaf) if isinstance(leaf, (list, tuple)) else None
-        if size != rows:
-            raise ValueError(f"{path} has {size} rows, expected {rows} (one per env)")
-
-
-def _take_rows(space: gym.Space, batch: Any, rows: slice | np.ndarray | range) -> Any:
-    """Rows ``rows`` of a batch of ``space`` (arrays, or per-env sequences at leaves)."""
-    if isinstance(rows, range):
-        rows = slice(rows.start, rows.stop)
-    if isinstance(space, spaces.Dict):
-        return {key: _take_rows(sub, batch[key], rows) for key, sub in space.spaces.items()}
-    if isinstance(space, spaces.Tuple):
-        return tuple(_take_rows(sub, batch[i], rows) for i, sub in enumerate(space.spaces))
-    if isinstance(batch, np.ndarray):
-        return batch[rows]
-    return [batch[i] for i in np.arange(len(batch))[rows]]
 
 
 def _concatenate_batches(space: gym.Space, batches: list) -> Any:

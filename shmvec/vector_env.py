@@ -54,6 +54,7 @@ from shmvec.batching import (
     check_reset_mask,
     expand_options,
     expand_seeds,
+    in_env_order,
     recv_whole_batch,
     split_blocks,
     take_reset_mask,
@@ -410,7 +411,7 @@ class ShmVectorEnv(VectorEnvBase):
         """
         self._assert_is_running()
         if not self.is_async:
-            self.step_async(_in_env_order(actions, env_ids, self.num_envs))
+            self.step_async(in_env_order(self.single_action_space, actions, env_ids, self.num_envs))
             return
         env_ids = self._async.send_env_ids(env_ids)
         if self.validate_actions:
@@ -596,24 +597,6 @@ class ResultHandoff:
         """``step`` with the actions already written into ``action_slab()``."""
         self._env._step_async(None, write=False)
         return self._env.step_wait()
-
-
-def _in_env_order(actions: Any, env_ids: Any, num_envs: int) -> Any:
-    """Sync mode's ``send``: ``actions`` reordered by ``env_ids``, which must name
-    every env once."""
-    if env_ids is None:
-        return actions
-    ids = np.asarray(env_ids)
-    if sorted(ids.tolist()) != list(range(num_envs)):
-        raise ValueError(
-            "with batch_size == num_envs, send() steps every env: env_ids must name "
-            f"each of the {num_envs} envs once, got {ids.tolist()}"
-        )
-    if np.array_equal(ids, np.arange(num_envs)):
-        return actions
-    ordered = np.empty_like(np.asarray(actions))
-    ordered[ids] = actions
-    return ordered
 
 
 def _observation_spaces(dummy_env: gym.Env, observation_mode, env_fns: list) -> tuple:

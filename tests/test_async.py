@@ -238,6 +238,40 @@ def test_sync_mode_send_recv_equals_step():
     envs.close()
 
 
+class DictActionEnv(gym.Env):
+    """Echoes its Dict action: obs = [a], reward = b[0] + b[1]."""
+
+    observation_space = gym.spaces.Box(-10, 10, (1,), np.float32)
+    action_space = gym.spaces.Dict(
+        {"a": gym.spaces.Discrete(3), "b": gym.spaces.Box(-1, 1, (2,), np.float32)}
+    )
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        obs = np.array([action["a"]], np.float32)
+        return obs, float(action["b"][0] + action["b"][1]), False, False, {}
+
+
+def test_sync_mode_send_reorders_dict_actions():
+    envs = shmvec.ShmVectorEnv([DictActionEnv] * 3, num_workers=2)
+    reference = gym.vector.SyncVectorEnv([DictActionEnv] * 3)
+    envs.async_reset(seed=0)
+    envs.recv()
+    reference.reset(seed=0)
+    actions = {"a": np.array([0, 1, 2]), "b": np.arange(6, dtype=np.float32).reshape(3, 2) / 10}
+    order = np.array([2, 0, 1])
+    envs.send({"a": actions["a"][order], "b": actions["b"][order]}, order)
+    got, want = envs.recv(), reference.step(actions)
+    for a, b in zip(got[:4], want[:4]):
+        assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match=r"actions\['a'\] has 2 rows, expected 3"):
+        envs.send({"a": actions["a"][:2], "b": actions["b"]}, order)
+    envs.close()
+
+
 def test_groups_share_seed_and_options():
     fns = [lambda: gym.make("CartPole-v1")] * 6
     envs = shmvec.ShmVectorEnv(fns, num_workers=2, group_size=3)

@@ -77,7 +77,7 @@ def build_engine(
         pool.release()
         raise
     doorbells = None if async_engine is None else async_engine.doorbells
-    rounds = RoundDriver(pool, supervisor, decoder, stats, spin.main_ns, doorbells)
+    rounds = RoundDriver(pool, supervisor, decoder, stats, doorbells)
     if async_engine is not None:
         async_engine.rounds = rounds
     return Engine(pool, decoder, supervisor, rounds, async_engine)

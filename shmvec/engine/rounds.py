@@ -35,7 +35,6 @@ class RoundDriver:
         supervisor: waits, timeouts and restarts.
         decoder: owns the info schemas a clean round must not have.
         stats: counts the main process's wait.
-        main_spin_ns: how long the main process spins before it sleeps.
         doorbells: async mode: rung with every post, so sleeping workers see it.
     """
 
@@ -45,7 +44,6 @@ class RoundDriver:
         supervisor: Supervisor,
         decoder: ResultDecoder,
         stats: Stats,
-        main_spin_ns: int,
         doorbells: list | None,
     ) -> None:
         self.pool = pool
@@ -54,7 +52,7 @@ class RoundDriver:
         self.supervisor = supervisor
         self.decoder = decoder
         self.stats = stats
-        self.main_spin_ns = main_spin_ns
+        self.main_spin_ns = supervisor.main_spin_ns  # one attribute less to look up per step
         self.doorbells = doorbells
         self.ring_depth = len(pool.slots)
         self.slot = 0  # the ring slot of the last round
