@@ -240,6 +240,25 @@ def test_worker_killed_from_outside_during_slow_step():
     assert all(p.exitcode is not None for p in workers)
 
 
+def test_async_recv_notices_a_worker_killed_in_a_slow_step():
+    # Its step would take 30 s: the batch cannot fill, and recv must not wait for it.
+    fns = test_envs.class_fns(test_envs.CountingEnv, 4, delay=30.0)
+    envs = ShmVectorEnv(fns, context="fork", num_workers=2, batch_size=2)
+    workers = list(envs._pool.workers)
+    try:
+        envs.async_reset(seed=0)
+        envs.recv()
+        envs.recv()
+        envs.send(np.zeros(4, dtype=np.int64), np.arange(4))
+        os.kill(workers[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(WorkerDiedError, match=r"worker 0 .*SIGKILL"):
+            envs.recv()
+        assert time.monotonic() - started < 10.0  # noticed by a liveness check, not the step
+    finally:
+        envs.close(terminate=True)  # the other worker is still in its 30 s step
+
+
 @pytest.mark.timeout(30)
 def test_worker_sigterm_is_reported():
     envs = ShmVectorEnv(test_envs.gym_fns("CartPole-v1", 2), context="fork", num_workers=2)

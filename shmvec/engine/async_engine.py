@@ -27,7 +27,7 @@ from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
 from shmvec.engine.supervisor import Supervisor
 from shmvec.errors import WorkerDiedError
-from shmvec.protocol import ENV_IDLE, ENV_RESET, LIVENESS_CHECK_S, UNWRITTEN
+from shmvec.protocol import ENV_IDLE, ENV_RESET, LIVENESS_CHECK_NS, LIVENESS_CHECK_S, UNWRITTEN
 
 #: When main sleeps in ``recv`` (it shares cores with the workers), the worker
 #: whose row completes a batch wakes it, and the scheduler tends to put main on
@@ -251,6 +251,16 @@ class AsyncEngine:
             self.pool.check_all_alive()
 
     def _wait_slot(self, slot: int, timeout: float | None) -> None:
+        supervisor = self.supervisor
+        if timeout is None and supervisor.env_timeout is None:
+            # The common case first: one wait, as RoundDriver.step_round does.
+            waited = time.perf_counter()
+            full = self.ring.wait_full(slot, supervisor.main_spin_ns, LIVENESS_CHECK_NS)
+            self.stats.wait_s += time.perf_counter() - waited
+            if full:
+                return
+            self.pool.check_all_alive()
+
         def ready(spin_ns: int, budget_ns: int) -> bool:
             self.supervisor.kill_stuck_workers(0.0)
             return self.ring.wait_full(slot, spin_ns, budget_ns)
