@@ -23,7 +23,7 @@ CPU per env step 62 -> 30 us, 73% -> 81% of 256 / 20 ms). A child process
 inherits the CPU of the thread that starts it, so a worker whose envs start
 processes (sandboxes, tool calls) is unplaced for good, its children too,
 once it has any (checked every ``CHILD_CHECK_S``). A worker pinned to its CPU
-(``pin=True``, see ``shmvec.spin.pin_workers``) steps there serially too, and
+(``pin=True``, see ``shmvec.spin.default_pinning``) steps there serially too, and
 is unpinned the same way (checked at least every ``REPROBE_ROUNDS`` rounds).
 
 Each env is stepped by one thread at a time and writes its results at its

@@ -77,7 +77,7 @@ def default_spin(num_processes: int, cpus: int | None = None) -> SpinPolicy:
     return SpinPolicy(main_ns=0, worker_ns=SHARED_SPIN_NS)
 
 
-def pin_workers(num_processes: int, async_mode: bool, cpus: int | None = None) -> bool:
+def default_pinning(num_processes: int, async_mode: bool, cpus: int | None = None) -> bool:
     """Whether worker processes are each kept on one CPU by default: in sync
     mode, when there are as many as the cores or more, on ``MANY_CORES`` or more.
 

@@ -72,7 +72,7 @@ from shmvec.protocol import (
     SET_ATTR,
     STEP,
 )
-from shmvec.spin import available_cpus, default_spin, fixed_spin, pin_workers
+from shmvec.spin import available_cpus, default_pinning, default_spin, fixed_spin
 from shmvec.worker import WorkerSpec, check_env
 
 logger = logging.getLogger("shmvec")
@@ -128,7 +128,7 @@ class ShmVectorEnv(VectorEnvBase):
         pin_workers: keep each worker process on one CPU (worker ``k`` on the
             ``k``-th usable CPU, round robin). None (default): in sync mode, when
             there are at least as many worker processes as CPUs, on 8 CPUs or
-            more (``shmvec.spin.pin_workers``). A worker whose envs start processes
+            more (``shmvec.spin.default_pinning``). A worker whose envs start processes
             unpins itself and them (within a second, or 256 rounds if longer).
     """
 
@@ -247,7 +247,7 @@ class ShmVectorEnv(VectorEnvBase):
         processes = self.num_workers - 1 if self.step_in_main else self.num_workers
         spin = default_spin(processes) if spin_ns is None else fixed_spin(spin_ns)
         self.pin_workers = (
-            pin_workers(processes, self.is_async)
+            default_pinning(processes, self.is_async)
             if self._pin_workers_arg is None
             else self._pin_workers_arg
         )

@@ -75,7 +75,7 @@ class WorkerSpec:
     info_schema: dict | None = None  # the dead worker's info columns, kept
     # Envs stepped at once at most (shmvec.concurrent_envs); None: up to the block.
     env_concurrency: int | None = None
-    # Step on one CPU (_worker_cpu) alone: shmvec.spin.pin_workers.
+    # Step on one CPU (_worker_cpu) alone: shmvec.spin.default_pinning.
     pin_cpu: bool = False
 
 

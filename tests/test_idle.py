@@ -21,8 +21,8 @@ from shmvec.spin import (
     MANY_CORES_SPIN_CAP_NS,
     SHARED_SPIN_NS,
     SPIN_CAP_NS,
+    default_pinning,
     default_spin,
-    pin_workers,
 )
 
 IDLE_S = 1.0
@@ -101,11 +101,13 @@ def test_default_spin_policy_by_cores():
 
 def test_default_pinning_by_cores():
     # Pinned in sync mode when the worker processes fill the cores, on 8 cores or more.
-    assert pin_workers(16, False, cpus=16) and pin_workers(64, False, cpus=16)
-    assert pin_workers(8, False, cpus=8)
-    assert not pin_workers(16, True, cpus=16)  # async mode
-    assert not pin_workers(15, False, cpus=16)  # main has a core to spare
-    assert not pin_workers(2, False, cpus=2) and not pin_workers(8, False, cpus=4)  # few cores
+    assert default_pinning(16, False, cpus=16) and default_pinning(64, False, cpus=16)
+    assert default_pinning(8, False, cpus=8)
+    assert not default_pinning(16, True, cpus=16)  # async mode
+    assert not default_pinning(15, False, cpus=16)  # main has a core to spare
+    assert not default_pinning(2, False, cpus=2) and not default_pinning(
+        8, False, cpus=4
+    )  # few cores
 
 
 def test_negative_spin_ns_is_refused():

@@ -100,7 +100,7 @@ def trace(name, workload, n, seconds, **kwargs):
     )
 
 
-CONFIGS = [  # default (pinned where shmvec.spin.pin_workers says so), then unpinned
+CONFIGS = [  # default (pinned where shmvec.spin.default_pinning says so), then unpinned
     ("cpu100us x16", "cpu100us", 16, {}),
     ("cpu100us x16 unpinned", "cpu100us", 16, {"pin_workers": False}),
     ("cpu100us x64", "cpu100us", 64, {}),
