@@ -260,6 +260,20 @@ def test_spin_settings_do_not_change_results(spin_ns):
     )
 
 
+@pytest.mark.parametrize("autoreset_mode", MODES)
+def test_pinned_workers_do_not_change_results(autoreset_mode):
+    # More workers than CPUs here: round robin, two workers to a CPU.
+    run_equivalence(
+        test_envs.ENV_CASES["CartPole-v1"],
+        8,
+        autoreset_mode,
+        steps=120,
+        num_workers=4,
+        pin_workers=True,
+        context="fork",
+    )
+
+
 # ------------------------------------------------------ spawn / forkserver
 
 
