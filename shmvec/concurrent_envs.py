@@ -325,7 +325,10 @@ class ConcurrentEnvs:
         # unless its envs started processes already (see _check_children).
         self._pinned = pin and self._cpu is not None and not _child_pids()
         if self._pinned:
-            os.sched_setaffinity(0, {self._cpu})
+            try:
+                os.sched_setaffinity(0, {self._cpu})
+            except OSError:  # the CPU was taken away meanwhile: run unpinned
+                self._pinned = False
         self.first_env = first_env
         self.pool = EnvThreadPool(self._everywhere)
         self.running = RunningEnvs(first_env, current_env, env_started)
@@ -376,7 +379,10 @@ class ConcurrentEnvs:
         self.pool.place(None)
         if self._pinned:
             self._pinned = False
-            os.sched_setaffinity(0, self._everywhere)
+            try:
+                os.sched_setaffinity(0, self._everywhere)
+            except OSError:
+                pass  # some of those CPUs were taken away: it stays where it is
         for pid in children:
             try:
                 os.sched_setaffinity(pid, self._everywhere)
