@@ -5,7 +5,9 @@
 # trace (tools/round_trace.py),
 # handoff (the CUDA hand-off bench), torch (tests/test_torch.py), ppo (examples/ppo_atari.py,
 # 64 envs, 8 iterations, sync against gymnasium Async and EnvPool, then --async-envs).
-# Writes $OUT/<table>.csv and $OUT/<table>.log (or ./device-out without $OUT).
+# Writes $OUT/<part>.csv and $OUT/<part>.log (or ./device-out without $OUT), plus
+# machine.txt. The device returns at most 8 files a call: t1, t2 and handoff write 2
+# each, the other parts 1, so ask for few parts per call.
 set -o pipefail
 OUT=${OUT:-device-out}; mkdir -p "$OUT"
 B="python3 -m shmvec_bench --seconds ${SECONDS_PER:-1.0} --warmup 0.5 --timeout 60"
