@@ -338,10 +338,10 @@ class RayVectorEnv(VectorEnvBase):
                 raise ValueError("send() needs env_ids: no recv() has returned any yet")
             env_ids = self._last_env_ids
         ids = check_env_ids(env_ids, self.num_envs)
-        check_rows(self.single_action_space, actions, len(ids))
-        if not self.is_async:
+        if not self.is_async:  # in_env_order and step_async check the rows
             self.step_async(in_env_order(self.single_action_space, actions, ids, self.num_envs))
             return
+        check_rows(self.single_action_space, actions, len(ids))
         if not self._was_reset:
             raise RuntimeError("send() before async_reset(): reset the envs first")
         position = np.empty(self.num_envs, dtype=np.int64)

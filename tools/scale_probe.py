@@ -43,7 +43,7 @@ def probe(name: str, workload: str, num_envs: int, seconds: float, **kwargs) -> 
             env.step(actions)
         pids = [os.getpid()] + [w.pid for w in env._pool.workers if hasattr(w, "pid")]
         before = [sched(p) for p in pids]
-        stats0 = env.stats()
+        cpu0 = np.array(env._pool.cpu_seconds())
         busy0 = np.array(env._pool.busy_ns, dtype=np.int64)
         rounds, times = 0, []
         start = time.perf_counter()
@@ -53,23 +53,16 @@ def probe(name: str, workload: str, num_envs: int, seconds: float, **kwargs) -> 
             rounds += 1
         elapsed = time.perf_counter() - start
         after = [sched(p) for p in pids]
+        cpu = (np.array(env._pool.cpu_seconds()) - cpu0) / elapsed
         stats1 = env.stats()
         busy = (np.array(env._pool.busy_ns, dtype=np.int64) - busy0) / 1e9 / elapsed
-        d_el = stats1["elapsed_s"] - stats0["elapsed_s"]
-        cpu = [
-            (c1 - c0) / d_el
-            for c0, c1 in zip(
-                [f * stats0["elapsed_s"] for f in stats0["worker_cpu_fraction"]],
-                [f * stats1["elapsed_s"] for f in stats1["worker_cpu_fraction"]],
-            )
-        ]
         rq = [(a[0] - b[0]) / rounds / 1e3 for a, b in zip(after, before)]
         inv = [(a[1] - b[1]) / rounds for a, b in zip(after, before)]
         print(
             f"{name:28s} {num_envs * rounds / elapsed:>10,.0f} steps/s  round med "
             f"{statistics.median(times) * 1e6:7.0f} us mean {elapsed / rounds * 1e6:7.0f}  "
             f"busy {busy.mean():.2f} [{busy.min():.2f}-{busy.max():.2f}]  "
-            f"cpu {np.mean(cpu):.2f}  threads {sorted(set(stats1['worker_env_threads']))}  "
+            f"cpu {cpu.mean():.2f}  threads {sorted(set(stats1['worker_env_threads']))}  "
             f"main wait {(stats1['main_wait_fraction']):.2f}  "
             f"runq us/round main {rq[0]:.1f} workers {np.mean(rq[1:]):.1f} "
             f"(max {max(rq[1:]):.1f})  "

@@ -36,7 +36,8 @@ class ResultDecoder:
         self.num_envs = blocks[-1].stop
         self.copy = copy
         self.schemas: list[dict] = [{} for _ in blocks]  # per worker: info key -> column
-        self.block_groups = [slice(rows.start, rows.stop) for rows in blocks]
+        block_groups = [slice(rows.start, rows.stop) for rows in blocks]
+        self.block_groups = lambda: block_groups  # a sync round's rows per worker, on demand
         self.pickled_obs: list | None = None  # last obs of each env, pickled spaces
         # per slot: (rewards, terminations, truncations), the flags as bool
         self._outcomes = [
@@ -71,7 +72,7 @@ class ResultDecoder:
         for index, message in messages.items():
             self.learn_columns(index, message)
         views = self.slots[slot]
-        return self.merge_infos(views, lambda: self.block_groups, messages.values(), self.num_envs)
+        return self.merge_infos(views, self.block_groups, messages.values(), self.num_envs)
 
     def batch_obs(self, slot: int, messages: dict[int, dict]) -> Any:
         """A sync round's observations."""
