@@ -10,7 +10,9 @@ modes, what goes into infos) are the same as in ``SyncVectorEnv.step``.
 
 from libc.errno cimport errno
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
-from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.buffer cimport (
+    PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer,
+)
 from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
@@ -21,7 +23,9 @@ from shmvec.infos import CELL_KINDS as _CELL_KINDS
 from shmvec.infos import CODES as _CODES
 from shmvec.infos import INFO_COLUMNS
 from shmvec import protocol
-from shmvec.protocol import BY_VALUE_BIT, ENV_IDLE, ENV_RESET, SLOT_MASK, STEP
+from shmvec.protocol import (
+    BY_VALUE_BIT, ENV_IDLE, ENV_RESET, REGION_MASK, REGION_SHIFT, SLOT_MASK, STEP,
+)
 
 cdef extern from "barrier.h" namespace "shmvec":
     cdef cppclass BarrierWords:
@@ -178,6 +182,52 @@ def count_ended(SlotColumns slot):
     for row in range(slot.terminations.shape[0]):
         ended += (slot.terminations[row] | slot.truncations[row]) != 0
     return ended
+
+
+cimport cython
+
+
+@cython.no_gc_clear
+cdef class RegionLease:
+    """[main] One lease region of the segment (shmvec/engine/leases.py) as a
+    writable buffer: arrays made over it keep it, and the segment's mapping,
+    alive. When the last of them is gone, ``free.append(region)`` hands the
+    region back for a later round."""
+
+    cdef object segment
+    cdef char* data
+    cdef Py_ssize_t shape[1]
+    cdef list free
+    cdef Py_ssize_t region
+
+    def __cinit__(self, object segment, uintptr_t address, Py_ssize_t size, list free,
+                  Py_ssize_t region):
+        self.segment, self.free, self.region = segment, free, region
+        self.data = <char*>address
+        self.shape[0] = size
+
+    def __getbuffer__(self, Py_buffer* buffer, int flags):
+        buffer.buf = self.data
+        buffer.obj = self
+        buffer.len = self.shape[0]
+        buffer.readonly = 0
+        buffer.itemsize = 1
+        buffer.format = NULL  # unsigned bytes
+        if flags & PyBUF_FORMAT:
+            buffer.format = b"B"
+        buffer.ndim = 1
+        buffer.shape = NULL
+        if flags & PyBUF_ND:
+            buffer.shape = self.shape
+        buffer.strides = NULL
+        buffer.suboffsets = NULL
+        buffer.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* buffer):
+        pass
+
+    def __dealloc__(self):
+        self.free.append(self.region)
 
 
 cdef class Stepper:
@@ -402,7 +452,7 @@ cdef class SerialRounds:
 
     cdef WorkerBarrier barrier
     cdef Stepper stepper
-    cdef list envs, action_views, slots, info_columns
+    cdef list envs, action_views, slots, regions, info_columns
     cdef Py_ssize_t first_row
     cdef uint8_t[::1] autoreset
     cdef uint32_t[::1] flag
@@ -412,11 +462,13 @@ cdef class SerialRounds:
     cdef object on_error, message, send
 
     def __cinit__(self, WorkerBarrier barrier, Stepper stepper, list envs, Py_ssize_t first_row,
-                  list action_views, list slots, list info_columns, uint8_t[::1] autoreset,
-                  uint32_t[::1] flag, uint32_t[::1] current_env, uint32_t[::1] finished,
-                  uint64_t[::1] busy_ns, object on_error, object message, object send):
+                  list action_views, list slots, list regions, list info_columns,
+                  uint8_t[::1] autoreset, uint32_t[::1] flag, uint32_t[::1] current_env,
+                  uint32_t[::1] finished, uint64_t[::1] busy_ns, object on_error,
+                  object message, object send):
         self.barrier, self.stepper, self.envs, self.first_row = barrier, stepper, envs, first_row
         self.action_views, self.slots, self.info_columns = action_views, slots, info_columns
+        self.regions = regions  # lease regions' observation columns (Worker._obs_target)
         self.autoreset, self.flag, self.current_env = autoreset, flag, current_env
         self.finished, self.busy_ns = finished, busy_ns
         self.on_error, self.message, self.send = on_error, message, send
@@ -431,9 +483,10 @@ cdef class SerialRounds:
         cdef Command command
         cdef WaitStatus status
         cdef Py_ssize_t rounds = 0
-        cdef uint32_t index
+        cdef uint32_t index, region
         cdef uint64_t started
         cdef SlotColumns slot
+        cdef list obs
         cdef tuple parts
         cdef bint has_message
         while rounds < max_rounds:
@@ -449,15 +502,17 @@ cdef class SerialRounds:
             started = _now_ns()
             generation = command.generation
             index = command.arg & SLOT_MASK
+            region = (command.arg >> REGION_SHIFT) & REGION_MASK
             slot = self.slots[index]
+            obs = self.regions[region - 1] if region else slot.obs
             self.stepper.actions_by_value = False
             parts = _step_block(self.stepper, self.envs, self.first_row, self.action_views,
-                                slot.obs, slot, self.autoreset, self.info_columns[index],
+                                obs, slot, self.autoreset, self.info_columns[index],
                                 self.current_env, self.on_error)
             message = None
             has_message = parts[0] or parts[1] or parts[2]
             if has_message:
-                message = self.message(parts[0], parts[1], slot.obs, parts[2])
+                message = self.message(parts[0], parts[1], obs, parts[2])
                 self.flag[0] = 1
             # Every write to this worker's line before arrive(): see Worker._run_command.
             self.busy_ns[0] += _now_ns() - started

@@ -8,7 +8,7 @@ slow channel (the worker's pipe) and are batched with gymnasium's own
 ``concatenate``, so they are never silently wrong.
 
 A codec knows one space; ``SegmentLayout`` places the columns of the action
-slab and of every ring slot in the segment.
+slab, of every ring slot and of the observation lease regions in the segment.
 
 Example:
     >>> import numpy as np
@@ -36,9 +36,20 @@ from shmvec.protocol import (
     LINE_ENV_THREADS,
     LINE_FINISHED,
     LINE_MESSAGE,
+    SLOT_MASK,
 )
 
 CACHE_LINE = 64
+PAGE = 4096
+#: Lease regions of a sync-mode segment: the caller may keep this many
+#: observation batches before ``step`` copies again (``self.observations``
+#: holds one of them) ...
+LEASE_REGIONS = 4
+#: ... within this many bytes of the segment (pages are taken only once used),
+LEASE_BYTES = 256 << 20
+#: ... for rounds of this many bytes of observations or more (below, a copy
+#: costs less than making the arrays over a region).
+LEASE_MIN_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -342,11 +353,14 @@ class SegmentLayout:
     """Byte offsets of every region of the segment.
 
     ``header | barrier | worker words | ring words | doorbells | env commands |
-    action slab | ring slot 0 .. D-1``, each region and each column starting
-    on its own cache line. A ring slot holds ``rows`` results (all envs in sync
-    mode, ``batch_size`` in async mode): the observation columns, the reward
-    (float64), terminated and truncated (uint8), the info columns (see
-    shmvec/infos.py), the env id (int32) and a message flag (uint8).
+    action slab | ring slot 0 .. D-1 | lease region 0 .. L-1``, each region
+    and each column starting on its own cache line. A ring slot holds ``rows``
+    results (all envs in sync mode, ``batch_size`` in async mode): the
+    observation columns, the reward (float64), terminated and truncated
+    (uint8), the info columns (see shmvec/infos.py), the env id (int32) and a
+    message flag (uint8). A lease region holds one round's observation columns
+    (sync mode): handed to the caller as the observations themselves instead
+    of a copy (shmvec/engine/leases.py; ``lease_regions`` says how many).
 
     Built identically in the main process and in each worker from the same
     arguments, so only the arguments travel to the workers.
@@ -363,9 +377,12 @@ class SegmentLayout:
         num_slots: int,
         rows: int,
         word_bytes: WordBytes,
+        obs_regions: int = 0,
     ) -> None:
         if num_slots < 2:
             raise ValueError(f"ring_depth must be >= 2, got {num_slots}")
+        if num_slots > SLOT_MASK + 1:
+            raise ValueError(f"at most {SLOT_MASK + 1} ring slots, got {num_slots}")
         self.num_envs = num_envs
         self.num_workers = num_workers
         self.num_slots = num_slots
@@ -402,7 +419,12 @@ class SegmentLayout:
         for _ in range(num_slots):
             offsets, offset = self._place(offset, slot_columns, rows)
             self.slot_offsets.append(offsets)
-        self.total_bytes = _align(offset, 4096)
+        self.region_offsets = []
+        for _ in range(obs_regions):
+            # Page-aligned: a region's pages serve one caller's arrays at a time.
+            offsets, offset = self._place(_align(offset, PAGE), obs_columns, rows)
+            self.region_offsets.append(offsets)
+        self.total_bytes = _align(offset, PAGE)
 
     @staticmethod
     def _place(offset: int, columns: list[ColumnSpec], rows: int) -> tuple[list[int], int]:
@@ -419,6 +441,16 @@ class SegmentLayout:
             np.ndarray((rows, *spec.shape), spec.dtype, buffer=buffer, offset=off)
             for off, spec in zip(offsets, columns)
         ]
+
+    def region_views(self, buffer, region: int) -> list[np.ndarray]:
+        """The observation columns of lease region ``region``."""
+        return self._views(buffer, self.region_offsets[region], self.obs_columns, self.rows)
+
+    def region_span(self, region: int) -> tuple[int, int]:
+        """Lease region ``region``'s bytes: (first offset, end offset)."""
+        offsets = self.region_offsets[region]
+        spec = self.obs_columns[-1]
+        return offsets[0], offsets[-1] + self.rows * spec.dtype.itemsize * math.prod(spec.shape)
 
     def worker_words(self, buffer) -> np.ndarray:
         """uint32 per worker, 1 when a pickled message follows its round.
@@ -477,6 +509,12 @@ class SegmentLayout:
         """The arrays of one ring slot."""
         views = self._views(buffer, self.slot_offsets[slot], self.slot_columns, self.rows)
         return SlotViews(views[:-7], *views[-7:])
+
+
+def lease_regions(obs_columns: list[ColumnSpec], rows: int) -> int:
+    """How many lease regions a sync-mode segment of ``rows`` envs gets."""
+    nbytes = rows * sum(spec.dtype.itemsize * math.prod(spec.shape) for spec in obs_columns)
+    return min(LEASE_REGIONS, LEASE_BYTES // nbytes) if nbytes >= LEASE_MIN_BYTES else 0
 
 
 class WordBytes(NamedTuple):

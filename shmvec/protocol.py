@@ -6,8 +6,10 @@ Three channels, defined here and nowhere else:
    of the command kinds below; every worker runs it for its block and arrives.
    ``STEP``'s arg is the ring slot, with ``BY_VALUE_BIT`` set when this round's
    actions come pickled on the pipe (tag ``"actions"``) instead of in the
-   action slab. ``RESET``'s arg is the slot; ``CALL``, ``SET_ATTR`` and
-   ``CLOSE`` take none.
+   action slab, and the round's observation region above ``REGION_SHIFT``
+   (0: the slot's own observation columns; ``r + 1``: lease region ``r``, see
+   shmvec/layout.py). ``RESET``'s arg is the slot and region; ``CALL``,
+   ``SET_ATTR`` and ``CLOSE`` take none.
 
 2. **Shared words written from numpy** (offsets in shmvec/layout.py):
 
@@ -57,8 +59,11 @@ CLOSE = 5
 
 #: Bit of ``STEP``'s arg: this round's actions come pickled, one per env.
 BY_VALUE_BIT = 1 << 31
-#: The rest of ``STEP``'s arg: the ring slot.
-SLOT_MASK = BY_VALUE_BIT - 1
+#: ``STEP``'s and ``RESET``'s arg: the ring slot in the low bits, then the
+#: observation region (0: the slot's own columns; ``r + 1``: lease region ``r``).
+REGION_SHIFT = 16
+SLOT_MASK = (1 << REGION_SHIFT) - 1
+REGION_MASK = (BY_VALUE_BIT - 1) >> REGION_SHIFT
 
 # Env commands of the async engine, one uint8 per env.
 ENV_IDLE = 0

@@ -61,7 +61,7 @@ from shmvec.batching import (
 )
 from shmvec.engine import SetupError, Stats, build_engine
 from shmvec.errors import WorkerDiedError
-from shmvec.layout import ArrayCodec, PickledCodec, make_codec
+from shmvec.layout import ArrayCodec, PickledCodec, lease_regions, make_codec
 from shmvec.protocol import (
     AUTORESET_CODES,
     BY_VALUE_BIT,
@@ -90,7 +90,11 @@ class ShmVectorEnv(VectorEnvBase):
         env_fns: zero-argument callables, each creating one env.
         shared_memory: if False, observations are pickled, as in AsyncVectorEnv.
         copy: if False, results are views of the result ring, valid for
-            ``ring_depth - 1`` further ``step``/``reset`` calls.
+            ``ring_depth - 1`` further ``step``/``reset`` calls. If True, they
+            are the caller's own; in sync mode, observations of 64 KiB a call
+            or more are lent rather than copied: arrays over shared memory
+            that no later call writes while they (or views of them) are held
+            (shmvec/engine/leases.py).
         context: multiprocessing start method (None: Python's default).
         daemon: whether workers are daemonic.
         worker: must be None: shmvec runs its own worker loop.
@@ -290,12 +294,14 @@ class ShmVectorEnv(VectorEnvBase):
         """Waits for the reset sent by ``reset_async``; returns ``(obs, infos)``."""
         self._assert_waiting(AsyncState.WAITING_RESET, "reset_wait", "reset_async")
         messages = self._finish(timeout, "reset_wait")
-        slot = self._rounds.slot
+        rounds = self._rounds
+        slot = rounds.slot
         infos = self._decoder.batch_infos(slot, messages)
-        mask = self._rounds.reset_mask
+        mask = rounds.reset_mask
         if mask is not None and not mask.all():
-            self._decoder.carry_over_obs(slot, ~mask)
-        self.observations = obs = self._decoder.batch_obs(slot, messages)
+            previous = rounds.obs_views((slot - 1) % rounds.ring_depth)
+            self._decoder.carry_over_obs(~mask, rounds.obs_views(slot), previous)
+        self.observations = obs = rounds.read_obs(messages)
         return obs, infos
 
     # ------------------------------------------------------------------- step
@@ -331,7 +337,7 @@ class ShmVectorEnv(VectorEnvBase):
                 rounds.send_blocks("actions", per_env)
             else:
                 codec.write_batch(self._action_views, actions)
-        rounds.post(STEP, rounds.next_slot() | (BY_VALUE_BIT if by_value else 0))
+        rounds.post(STEP, rounds.obs_arg(rounds.next_slot()) | (BY_VALUE_BIT if by_value else 0))
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(
@@ -346,7 +352,7 @@ class ShmVectorEnv(VectorEnvBase):
         if "env_error" in infos:
             self._stats.note_env_resets(infos, np.arange(self.num_envs))
         self._stats.count(self.num_envs, decoder.ended(slot))
-        self.observations = obs = decoder.batch_obs(slot, messages)
+        self.observations = obs = self._rounds.read_obs(messages)
         return (obs, *decoder.outcomes(slot), infos)
 
     def step(self, actions: ArrayType):
@@ -377,10 +383,15 @@ class ShmVectorEnv(VectorEnvBase):
         if not clean:
             return self.step_wait()
         self._state = AsyncState.DEFAULT
-        slot, decoder = self._rounds.slot, self._decoder
+        rounds, decoder = self._rounds, self._decoder
+        slot = rounds.slot
         self._stats.count(self.num_envs, decoder.ended(slot))
-        self.observations = obs = self._obs_codec.read_batch(self._slots[slot].obs, self._copy)
-        return (obs, *decoder.outcomes(slot), {})
+        if rounds.unread is None:  # no lease region: one call fewer
+            obs = self._obs_codec.read_batch(self._slots[slot].obs, self._copy)
+        else:
+            obs = rounds.read_obs({})
+        self.observations = obs
+        return (obs, *decoder.outcomes(slot), decoder.batch_infos(slot, {}))
 
     # ------------------------------------------------------------------ async
 
@@ -558,6 +569,7 @@ def _worker_spec(env: ShmVectorEnv, spin_ns: int) -> WorkerSpec:
         use_death_signal=threading.current_thread() is threading.main_thread(),
         on_env_error=env.on_env_error,
         env_concurrency=env.env_concurrency, pin_cpu=env.pin_workers,
+        obs_regions=0 if env.is_async else lease_regions(env._obs_codec.columns(), env.num_envs),
     )  # fmt: skip
 
 

@@ -36,6 +36,8 @@ from shmvec.protocol import (
     CALL,
     CLOSE,
     ENV_RESET,
+    REGION_MASK,
+    REGION_SHIFT,
     RESET,
     SET_ATTR,
     SLOT_MASK,
@@ -69,14 +71,16 @@ class WorkerSpec:
     # A replacement for a dead worker starts at the round it died in, and
     # first does Worker.recover(*recover) for that round.
     generation: int = 0
-    # Sync mode: (command kind, ring slot). Async mode: ("async", plan), see
-    # Worker.recover_async.
+    # Sync mode: (command kind, the round's arg: ring slot and observation
+    # region). Async mode: ("async", plan), see Worker.recover_async.
     recover: tuple | None = None
     info_schema: dict | None = None  # the dead worker's info columns, kept
     # Envs stepped at once at most (shmvec.concurrent_envs); None: up to the block.
     env_concurrency: int | None = None
     # Step on one CPU (_worker_cpu) alone: shmvec.spin.default_pinning.
     pin_cpu: bool = False
+    # Lease regions in the segment (shmvec.layout.lease_regions; sync mode).
+    obs_regions: int = 0
 
 
 class SegmentFd:
@@ -277,6 +281,9 @@ class Worker:
         self.action_views = self.layout.action_views(buffer)
         self.slots = [self.layout.slot_views(buffer, k) for k in range(self.layout.num_slots)]
         self.slot_columns = [_worker_loop.SlotColumns(views) for views in self.slots]
+        self.regions = [
+            self.layout.region_views(buffer, r) for r in range(len(self.layout.region_offsets))
+        ]
         # info key -> column, shared by all slots (a replacement keeps its predecessor's)
         self.info_schema: dict = dict(spec.info_schema or {})
         self.info_columns = [
@@ -319,7 +326,7 @@ class Worker:
         if spec.batch_size == spec.num_envs and not self.obs_codec.pickled:
             self.serial_rounds = _worker_loop.SerialRounds(
                 self.barrier, self.stepper, self.envs, spec.first_env, self.action_views,
-                self.slot_columns, self.info_columns, self.autoreset, self.flag,
+                self.slot_columns, self.regions, self.info_columns, self.autoreset, self.flag,
                 self.current_env, self.finished, self.busy_ns, self.on_error, self._message,
                 lambda message: _send(self.pipe, message),
             )  # fmt: skip
@@ -444,9 +451,14 @@ class Worker:
                 return payload
             self.inbox.setdefault(got, []).append(payload)
 
-    def _obs_target(self, slot: int):
-        """Where observations of this round go: columns, or a dict to pickle."""
-        return {} if self.obs_codec.pickled else self.slots[slot].obs
+    def _obs_target(self, arg: int):
+        """Where observations of the round of ``arg`` (slot and region, see
+        protocol.REGION_SHIFT; async mode: the slot) go: columns, or a dict to
+        pickle."""
+        if self.obs_codec.pickled:
+            return {}
+        region = (arg >> REGION_SHIFT) & REGION_MASK
+        return self.regions[region - 1] if region else self.slots[arg & SLOT_MASK].obs
 
     def step(self, arg: int) -> dict:
         slot = arg & SLOT_MASK
@@ -456,7 +468,7 @@ class Worker:
         if by_value:
             action_views = [None] * self.spec.num_envs
             action_views[self.rows.start : self.rows.stop] = self._recv("actions")
-        obs_target = self._obs_target(slot)
+        obs_target = self._obs_target(arg)
         # hook: _worker_loop.step_envs, or concurrent_envs' threaded stand-in
         infos, errors, announced = self.concurrency.step_function()(
             self.stepper,
@@ -524,13 +536,13 @@ class Worker:
         for i, env_id in enumerate(self.rows):
             self.restarted[i] = env_id not in plan
 
-    def recover(self, kind: int, slot: int) -> dict:
+    def recover(self, kind: int, arg: int) -> dict:
         """A replacement worker's first job: its envs are new, so reset them. In a
         STEP round each reports a truncated episode (``truncated_reset``), in a
         RESET round the reset asked for (the main process sends it again); both
-        with ``info["worker_restarted"]``."""
-        obs_target = self._obs_target(slot)
-        views = self.slots[slot]
+        with ``info["worker_restarted"]``. ``arg``: the round's."""
+        obs_target = self._obs_target(arg)
+        views = self.slots[arg & SLOT_MASK]
         views.info_codes[self.rows.start : self.rows.stop] = 0
         why = {"worker_restarted": True}
         infos, errors = [], []
@@ -569,11 +581,11 @@ class Worker:
             message["obs"] = obs_target
         return message
 
-    def reset(self, slot: int, payload) -> dict:
+    def reset(self, arg: int, payload) -> dict:
         seeds, options, mask = payload  # per env of the block
-        obs_target = self._obs_target(slot)
+        obs_target = self._obs_target(arg)
         # Reset infos are pickled (resets are rare): clear this block's columns.
-        self.slots[slot].info_codes[self.rows.start : self.rows.stop] = 0
+        self.slots[arg & SLOT_MASK].info_codes[self.rows.start : self.rows.stop] = 0
         infos, errors = [], []
 
         def reset_env(i: int) -> tuple:
@@ -641,6 +653,7 @@ def make_layout(spec: WorkerSpec) -> SegmentLayout:
             _core.ResultRing.nbytes(spec.num_slots),
             _core.Doorbell.nbytes,
         ),
+        obs_regions=spec.obs_regions,
     )
 
 

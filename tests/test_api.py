@@ -24,6 +24,7 @@ from helpers import assert_same
 
 import shmvec
 from shmvec import ShmVectorEnv
+from shmvec.layout import LEASE_REGIONS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -930,6 +931,48 @@ def test_copy_true_returns_independent_arrays():
         assert not np.shares_memory(obs0, obs)
     finally:
         envs.close()
+
+
+def _leased(array) -> bool:
+    return type(array.base).__name__ == "RegionLease"
+
+
+def test_copy_true_large_observations_are_lent_not_copied():
+    """Observations of 64 KiB a round or more (shmvec.layout.lease_regions) are
+    handed over in lease regions instead of copies. Each batch stays what step
+    returned for as long as it (or a view of it) is held; with more batches
+    held than there are regions, the others are copies; a region serves again
+    once its arrays are gone, and outlives close() while one is held."""
+    envs = counting(4, env_kwargs={"obs_len": 2048}, copy=True)
+    a = np.arange(4)
+    try:
+        assert envs._decoder.leases is not None
+        held = [envs.reset(seed=0)[0]]
+        for _ in range(8):
+            held.append(envs.step(a)[0])
+        kept = [obs.copy() for obs in held]
+        assert [_leased(obs) for obs in held] == [True] * LEASE_REGIONS + [False] * (
+            len(held) - LEASE_REGIONS
+        )
+        for t, obs in enumerate(held):
+            assert obs[:, 0].tolist() == [t] * 4
+            assert obs[:, 1].tolist() == ([0] * 4 if t == 0 else a.tolist())
+        obs = held[3]
+        obs[:] = -1  # the caller's own array: writing to it changes nothing inside
+        for t in range(len(held), len(held) + 6):
+            later = envs.step(a)[0]
+            assert not np.shares_memory(later, obs)
+            assert later[:, 0].tolist() == [t] * 4
+        for obs, expected in zip(held[:3], kept):
+            assert_same(obs, expected)
+        view, expected_view = held[1][2], kept[1][2]
+        del held, obs, later  # every region but view's comes back
+        lent = [envs.step(a)[0] for _ in range(LEASE_REGIONS - 1)]
+        assert all(_leased(obs) for obs in lent)
+        assert not _leased(envs.step(a)[0]), "view still holds the last region"
+    finally:
+        envs.close()
+    assert_same(view, expected_view)
 
 
 def test_same_step_final_obs_is_a_private_writable_copy():

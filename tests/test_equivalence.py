@@ -21,6 +21,7 @@ from helpers import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import shmvec.layout
 from shmvec import ShmVectorEnv
 
 pytestmark = pytest.mark.timeout(120)
@@ -272,6 +273,35 @@ def test_pinned_workers_do_not_change_results(autoreset_mode):
         pin_workers=True,
         context="fork",
     )
+
+
+@pytest.fixture
+def lease_any_obs(monkeypatch):
+    """Lease regions (shmvec/engine/leases.py) for the small observations here too."""
+    monkeypatch.setattr(shmvec.layout, "LEASE_MIN_BYTES", 1)
+
+
+@pytest.mark.parametrize(
+    "context,step_in_main", [("fork", False), ("fork", True), ("spawn", False)]
+)
+@pytest.mark.parametrize("autoreset_mode", MODES)
+def test_leased_observations_equal_sync(lease_any_obs, autoreset_mode, context, step_in_main):
+    """copy=True observations handed over in lease regions (every leaf kind,
+    masked resets, DISABLED's resets) equal SyncVectorEnv's."""
+    env = ShmVectorEnv(test_envs.ENV_CASES["CustomSpaceEnv"](2), num_workers=2, context="fork")
+    with closing(env):
+        assert env._decoder.leases is not None, "the fixture must give this env lease regions"
+    stats = run_equivalence(
+        test_envs.ENV_CASES["CustomSpaceEnv"],
+        6,
+        autoreset_mode,
+        steps=50,
+        num_workers=3,
+        context=context,
+        step_in_main=step_in_main,
+    )
+    assert stats["ended"] > 0
+    assert stats["masked_resets"] >= 1
 
 
 # ------------------------------------------------------ spawn / forkserver

@@ -18,6 +18,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import assert_same
 
 import shmvec.engine.async_engine
+import shmvec.layout
 from shmvec import ShmVectorEnv, WorkerDiedError
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,10 +93,14 @@ def test_restart_replaces_a_dead_worker_and_spares_the_others(mode):
     assert all(p.exitcode is not None for p in workers)
 
 
-def test_restart_during_reset_and_during_call():
+@pytest.mark.parametrize("lent", [False, True], ids=["copied", "lent"])
+def test_restart_during_reset_and_during_call(lent, monkeypatch):
+    if lent:  # observations in lease regions (shmvec/engine/leases.py), small as they are
+        monkeypatch.setattr(shmvec.layout, "LEASE_MIN_BYTES", 1)
     fns = test_envs.gym_fns("CartPole-v1", 4)
     envs = ShmVectorEnv(fns, num_workers=2, on_worker_death="restart")
     try:
+        assert (envs._decoder.leases is not None) == lent
         envs.reset(seed=0)
         kill(envs, 0)
         obs, infos = envs.reset(seed=1)
@@ -115,15 +120,18 @@ def test_restart_during_reset_and_during_call():
         envs.close()
 
 
-def test_random_kills_lose_and_duplicate_no_transition():
+@pytest.mark.parametrize("obs_len", [2, 2048], ids=["copied", "lent"])
+def test_random_kills_lose_and_duplicate_no_transition(obs_len):
     """Kills random workers at random steps; each env's counter shows every
-    transition exactly once: +1 per step, 0 after a reset or a restart."""
+    transition exactly once: +1 per step, 0 after a reset or a restart. With
+    2048 numbers an env (128 KiB a round), observations come in lease regions."""
     n, steps = 8, 400
-    fns = test_envs.class_fns(test_envs.CountingEnv, n, episode_len=25)
+    fns = test_envs.class_fns(test_envs.CountingEnv, n, episode_len=25, obs_len=obs_len)
     envs = ShmVectorEnv(fns, num_workers=4, on_worker_death="restart")
     rng = np.random.default_rng(7)
     kills = 0
     try:
+        assert (envs._decoder.leases is not None) == (obs_len == 2048)
         obs, _ = envs.reset(seed=0)
         count = obs[:, 0].copy()
         assert (count == 0).all()

@@ -6,6 +6,7 @@
   ``replace_worker`` for sync and async mode.
 - ``async_engine.AsyncEngine``: the result ring, doorbells and env commands.
 - ``decoder.ResultDecoder``: ring rows and messages to observations and infos.
+- ``leases.ObsLeases``: large sync observations handed over without a copy.
 - ``stats.Stats``: what ``stats()`` reports.
 
 ``build_engine`` wires them; ShmVectorEnv keeps only gymnasium's state machine
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from shmvec.engine.async_engine import AsyncEngine
 from shmvec.engine.decoder import ResultDecoder
+from shmvec.engine.leases import ObsLeases
 from shmvec.engine.pool import SetupError, WorkerPool
 from shmvec.engine.rounds import RoundDriver
 from shmvec.engine.stats import Stats
@@ -64,7 +66,10 @@ def build_engine(
     )  # fmt: skip
     try:
         pool.open()
-        decoder = ResultDecoder(obs_codec, pool.slots, blocks, copy)
+        leases = None
+        if pool.layout.region_offsets:
+            leases = ObsLeases(pool.segment, pool.layout, obs_codec)
+        decoder = ResultDecoder(obs_codec, pool.slots, blocks, copy, leases)
         supervisor = Supervisor(pool, decoder, stats, spin.main_ns, env_timeout, restart_on_death)
         async_engine = None
         if spec.batch_size < spec.num_envs:  # before the workers: it marks ring rows unwritten

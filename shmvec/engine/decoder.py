@@ -16,6 +16,7 @@ import numpy as np
 from shmvec import _worker_loop
 from shmvec import infos as info_columns
 from shmvec.batching import batch_infos
+from shmvec.engine.leases import ObsLeases
 from shmvec.errors import add_note
 
 
@@ -27,11 +28,15 @@ class ResultDecoder:
         slots: the ring slots' views.
         blocks: each worker's env ids.
         copy: return copies (True) or views of the ring.
+        leases: the segment's lease regions (sync mode, large observations).
     """
 
-    def __init__(self, obs_codec, slots: list, blocks: list[range], copy: bool) -> None:
+    def __init__(
+        self, obs_codec, slots: list, blocks: list[range], copy: bool, leases: ObsLeases | None
+    ) -> None:
         self.obs_codec = obs_codec
         self.slots = slots
+        self.leases = leases
         self.blocks = blocks
         self.num_envs = blocks[-1].stop
         self.copy = copy
@@ -74,8 +79,10 @@ class ResultDecoder:
         views = self.slots[slot]
         return self.merge_infos(views, self.block_groups, messages.values(), self.num_envs)
 
-    def batch_obs(self, slot: int, messages: dict[int, dict]) -> Any:
-        """A sync round's observations."""
+    def batch_obs(self, slot: int, messages: dict[int, dict], region: int | None = None) -> Any:
+        """A sync round's observations, from lease region ``region`` if not None."""
+        if region is not None:
+            return self.leases.read(region)
         if self.obs_codec.pickled:
             values = self.pickled_obs or [None] * self.num_envs
             for message in messages.values():
@@ -85,12 +92,12 @@ class ResultDecoder:
             return self.obs_codec.read_batch(values, self.copy)
         return self.obs_codec.read_batch(self.slots[slot].obs, self.copy)
 
-    def carry_over_obs(self, slot: int, rows: np.ndarray) -> None:
-        """Envs left out of a masked reset keep their previous observation."""
+    def carry_over_obs(self, rows: np.ndarray, columns: list, previous: list) -> None:
+        """Envs left out of a masked reset keep their previous observation:
+        ``rows`` of ``previous`` (the last round's columns) into ``columns``."""
         if self.obs_codec.pickled:
             return  # batch_obs keeps the last value of every env
-        previous = self.slots[(slot - 1) % len(self.slots)].obs
-        for new, old in zip(self.slots[slot].obs, previous):
+        for new, old in zip(columns, previous):
             new[rows] = old[rows]
 
     def rows_obs(self, views, messages: dict[int, dict], rows: int) -> Any:

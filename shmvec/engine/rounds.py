@@ -2,7 +2,8 @@
 
 Data flow: a caller sends a round's payloads (``pool.send``), then ``post``
 (or ``step_round``, the short path of a plain step) bumps the barrier's
-generation with a command kind and the ring slot it fills; ``finish`` waits
+generation with a command kind and the ring slot it fills (and, for a round
+of observations, the lease region they go to: engine/leases.py); ``finish`` waits
 until every worker arrived (replacing dead ones under
 ``on_worker_death="restart"``), reads the messages the workers flagged and
 re-raises env errors. A round whose wait timed out is ``unfinished``: the next
@@ -16,6 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +26,7 @@ from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
 from shmvec.engine.supervisor import Supervisor
 from shmvec.errors import WorkerDiedError, add_note
-from shmvec.protocol import LIVENESS_CHECK_NS, LIVENESS_CHECK_S, RESET, STEP
+from shmvec.protocol import LIVENESS_CHECK_NS, LIVENESS_CHECK_S, REGION_SHIFT, RESET, STEP
 
 
 class RoundDriver:
@@ -56,6 +58,12 @@ class RoundDriver:
         self.doorbells = doorbells
         self.ring_depth = len(pool.slots)
         self.slot = 0  # the ring slot of the last round
+        self.arg = 0  # the last STEP or RESET round's arg (Worker.recover)
+        self.leases = decoder.leases
+        # Per slot, the lease region its last round of observations went to
+        # (None: the slot's own columns); the last such round's, until read.
+        self.slot_regions: list[int | None] = [None] * self.ring_depth
+        self.unread: int | None = None
         self.kind: int | None = None  # the command kind of the round being finished
         self.started = 0.0  # time.monotonic() of the last post (env_timeout)
         self.unfinished = False  # the last round's wait timed out
@@ -70,10 +78,35 @@ class RoundDriver:
         self.before_slot_reuse(self.slot)
         return self.slot
 
+    def obs_arg(self, slot: int) -> int:
+        """The arg of a round of observations (STEP, RESET) into ``slot``: with
+        a free lease region when results are copies and one is free."""
+        leases = self.leases
+        if leases is None:
+            return slot
+        unread = self.unread
+        self.unread = region = leases.take() if self.decoder.copy else None
+        if unread is not None:  # the last round's observations were never read
+            leases.give_back(unread)
+        self.slot_regions[slot] = region
+        return slot if region is None else slot | (region + 1) << REGION_SHIFT
+
+    def read_obs(self, messages: dict[int, dict]) -> Any:
+        """The last round's observations (``ResultDecoder.batch_obs``)."""
+        region, self.unread = self.unread, None
+        return self.decoder.batch_obs(self.slot, messages, region)
+
+    def obs_views(self, slot: int) -> list:
+        """The columns that the last round of observations into ``slot`` wrote."""
+        region = self.slot_regions[slot]
+        return self.pool.slots[slot].obs if region is None else self.leases.views[region]
+
     def post(self, kind: int, arg: int = 0) -> None:
         """Starts a round; async-mode workers sleep on their doorbells."""
         self.kind = kind
         self.started = time.monotonic()
+        if kind in (STEP, RESET):
+            self.arg = arg
         self.barrier.post(kind, arg)
         if self.doorbells is not None:
             for bell in self.doorbells:
@@ -94,12 +127,13 @@ class RoundDriver:
             self.reset_payloads[index] = (seeds[block], options[block], block_mask)
             self.pool.send(index, "reset", self.reset_payloads[index])
         self.reset_mask = None if mask is None else mask.copy()
-        self.post(RESET, slot)
+        self.post(RESET, self.obs_arg(slot))
 
     def step_round(self) -> bool:
         """A STEP round into the next slot, actions already in the slab, then one
-        wait: True if it ended with nothing but columns to read. Otherwise
-        ``finish`` takes the round over (an error, a message, a late worker).
+        wait: True if it ended with nothing but columns to read (info columns
+        included). Otherwise ``finish`` takes the round over (an error, a
+        message, a late worker).
 
         The short path of ``ShmVectorEnv.step``, for sync mode without
         ``env_timeout``: no doorbells, no round clock.
@@ -107,14 +141,15 @@ class RoundDriver:
         slot = self.slot = (self.slot + 1) % self.ring_depth
         self.before_slot_reuse(slot)
         self.kind = STEP
+        self.arg = arg = slot if self.leases is None else self.obs_arg(slot)
         barrier = self.barrier
-        barrier.post(STEP, slot)
+        barrier.post(STEP, arg)
         if self.main_worker is not None:
             self.main_worker.poll(False)
         waited = time.perf_counter()
         done = barrier.wait_done(self.main_spin_ns, LIVENESS_CHECK_NS)
         self.stats.wait_s += time.perf_counter() - waited
-        return done and not (barrier.messages() or self.recovered or any(self.decoder.schemas))
+        return done and not (barrier.messages() or self.recovered)
 
     def finish(self, timeout: float | None, name: str) -> dict[int, dict]:
         """Ends the pending round: waits, reads messages, re-raises env errors.

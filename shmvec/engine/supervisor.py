@@ -150,7 +150,7 @@ class Supervisor:
             kind = None
         else:
             kind = rounds.kind if rounds.kind in (STEP, RESET) else CALL
-            recover = (kind, rounds.slot)
+            recover = (kind, rounds.arg if kind in (STEP, RESET) else rounds.slot)
         pool.replace(
             index,
             generation=pool.barrier.generation,

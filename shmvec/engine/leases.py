@@ -1,0 +1,74 @@
+"""ObsLeases: a sync round's observations handed over without a copy.
+
+With ``copy=True``, ``step`` and ``reset`` return observations the caller
+owns. Instead of copying them out of the ring slot, a round whose
+observations are large (``layout.lease_regions``) is written into a *lease
+region* of the segment that nobody holds, and the caller gets arrays over
+that region: together they keep it (one ``RegionLease``) until the last of
+them is gone, and only then may a later round write there. While every
+region is held (the caller keeps several batches), rounds write into their
+ring slot and are copied out, as without regions.
+
+Data flow: ``RoundDriver`` takes a free region when it posts a round and
+names it in the command's arg (protocol.REGION_SHIFT); the workers write
+that round's observations there; ``read`` wraps the region for the caller,
+or ``give_back`` returns it when the round's observations are never read (an
+error, a timed-out round).
+
+Who may call what: the main process's one thread. Regions come back to
+``free`` from whichever thread drops the caller's last array.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shmvec import _worker_loop
+from shmvec.layout import Codec, SegmentLayout
+
+
+class ObsLeases:
+    """The lease regions of one segment.
+
+    Args:
+        segment: the mapped segment (``shmvec._core.Segment``).
+        layout: its layout, with ``region_offsets``.
+        obs_codec: the observation space's codec.
+    """
+
+    def __init__(self, segment, layout: SegmentLayout, obs_codec: Codec) -> None:
+        self.segment = segment
+        self.codec = obs_codec
+        regions = range(len(layout.region_offsets))
+        self.free = list(reversed(regions))  # pop() takes the lowest first
+        buffer = memoryview(segment)
+        self.views = [layout.region_views(buffer, r) for r in regions]
+        self.spans = [layout.region_span(r) for r in regions]
+        # Per region, per leaf: (offset in the region, shape, dtype).
+        self.leaves = [
+            [(v.ctypes.data - segment.address - start, v.shape, v.dtype) for v in views]
+            for views, (start, _) in zip(self.views, self.spans)
+        ]
+
+    def take(self) -> int | None:
+        """A free region for the next round, or None when all are held."""
+        return self.free.pop() if self.free else None
+
+    def give_back(self, region: int) -> None:
+        """Returns a region whose round's observations were never read."""
+        self.free.append(region)
+
+    def read(self, region: int) -> Any:
+        """The observations written into ``region``, as arrays over it: the
+        region is held until the last of them (and of their views) is gone."""
+        start, stop = self.spans[region]
+        lease = _worker_loop.RegionLease(
+            self.segment, self.segment.address + start, stop - start, self.free, region
+        )
+        arrays = [
+            np.ndarray(shape, dtype, buffer=lease, offset=offset)
+            for offset, shape, dtype in self.leaves[region]
+        ]
+        return self.codec.read_batch(arrays, False)
