@@ -14,9 +14,12 @@ from cpython.buffer cimport (
     PyBUF_FORMAT, PyBUF_ND, PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyObject_GetBuffer,
 )
 from libc.string cimport memcpy, memset
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
+from numpy import empty as _empty
 from numpy import ndarray as _ndarray
+from numpy import zeros as _zeros
 from numpy import shape as _shape
 
 from shmvec.infos import CELL_KINDS as _CELL_KINDS
@@ -182,6 +185,15 @@ def count_ended(SlotColumns slot):
     for row in range(slot.terminations.shape[0]):
         ended += (slot.terminations[row] | slot.truncations[row]) != 0
     return ended
+
+
+def row_messages(SlotColumns slot):
+    """[main] Whether a row of ``slot`` has a pickled message (async mode)."""
+    cdef Py_ssize_t row
+    for row in range(slot.messages.shape[0]):
+        if slot.messages[row]:
+            return True
+    return False
 
 
 cimport cython
@@ -540,8 +552,98 @@ cdef extern from "result_ring.h" namespace "shmvec":
 
     cdef cppclass Doorbell:
         Doorbell(DoorbellWords* words) nogil
+        void ring() nogil
         WaitStatus wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
                         uint32_t* out) nogil
+
+
+cdef class EnvBook:
+    """[main] Async mode's per-env books (``AsyncEngine``) in C loops: which envs
+    await a command, their commands in the segment, and their workers'
+    doorbells. ``idle_ids`` answers None where anything is off: the engine's
+    own checks then say what.
+
+    Args: ``awaiting`` (bool per env, viewed as uint8), ``commands`` (the
+    segment's env commands), ``last_command`` (uint8 per env), ``env_worker``
+    (int64 per env) and the doorbells' addresses, by worker.
+    """
+
+    cdef uint8_t[::1] awaiting, commands, last_command, seen, ringing
+    cdef const int64_t[::1] env_worker
+    cdef Doorbell** bells
+    cdef Py_ssize_t num_workers
+
+    def __cinit__(self, uint8_t[::1] awaiting, uint8_t[::1] commands,
+                  uint8_t[::1] last_command, const int64_t[::1] env_worker, list bell_addresses):
+        self.awaiting, self.commands, self.last_command = awaiting, commands, last_command
+        self.env_worker = env_worker
+        self.seen = _zeros(awaiting.shape[0], dtype="uint8")
+        self.num_workers = len(bell_addresses)
+        self.ringing = _zeros(self.num_workers, dtype="uint8")
+        self.bells = <Doorbell**>PyMem_Malloc(self.num_workers * sizeof(Doorbell*))
+        if self.bells == NULL:
+            raise MemoryError()
+        cdef Py_ssize_t w
+        for w in range(self.num_workers):
+            self.bells[w] = new Doorbell(<DoorbellWords*><uintptr_t>bell_addresses[w])
+
+    def __dealloc__(self):
+        cdef Py_ssize_t w
+        if self.bells != NULL:
+            for w in range(self.num_workers):
+                del self.bells[w]
+            PyMem_Free(self.bells)
+
+    def idle_ids(self, object env_ids):
+        """``env_ids`` itself if it is a 1-D contiguous int64 array of distinct
+        envs that all await a command, else None."""
+        cdef const int64_t[::1] ids
+        if type(env_ids) is not _ndarray:
+            return None
+        try:
+            ids = env_ids
+        except (ValueError, TypeError, BufferError):
+            return None
+        cdef Py_ssize_t i, marked = 0, n = self.awaiting.shape[0]
+        cdef int64_t e
+        cdef bint ok = True
+        for i in range(ids.shape[0]):
+            e = ids[i]
+            if e < 0 or e >= n or self.seen[e] or not self.awaiting[e]:
+                ok = False
+                break
+            self.seen[e] = 1
+            marked += 1
+        for i in range(marked):
+            self.seen[ids[i]] = 0
+        return env_ids if ok else None
+
+    def start(self, const int64_t[::1] ids, uint8_t command):
+        """Gives each env of ``ids`` (checked) ``command``, then rings each of
+        their workers' doorbells once (the command before the ring: protocol.py)."""
+        cdef Py_ssize_t i, w
+        cdef int64_t e
+        for i in range(ids.shape[0]):
+            e = ids[i]
+            self.commands[e] = command
+            self.last_command[e] = command
+            self.awaiting[e] = 0
+            self.ringing[self.env_worker[e]] = 1
+        for w in range(self.num_workers):
+            if self.ringing[w]:
+                self.ringing[w] = 0
+                self.bells[w].ring()
+
+    def received(self, const int32_t[::1] row_env_ids):
+        """A batch's env ids (a ring slot's), as int64; each env awaits a command
+        again."""
+        cdef Py_ssize_t i, n = row_env_ids.shape[0]
+        out = _empty(n, dtype="int64")
+        cdef int64_t[::1] ids = out
+        for i in range(n):
+            ids[i] = row_env_ids[i]
+            self.awaiting[ids[i]] = 1
+        return out
 
 
 cdef class WorkerDoorbell:

@@ -188,6 +188,17 @@ def test_misuse_is_a_clear_error(async_envs):
         envs.send(np.zeros(2, dtype=np.float32), ids)
     with pytest.raises(TypeError, match="1-D array of ints"):
         envs.send(np.zeros(2, dtype=np.int64), [0.5, 1.5])
+    # int64 arrays, as recv() returns them, take a faster check: the same errors.
+    for bad, error, match in [
+        (np.array([4]), ValueError, "out of range"),
+        (np.array([-1]), ValueError, "out of range"),
+        (np.array([ids[1], ids[1]]), ValueError, "more than once"),
+        (np.array([running]), ValueError, "not awaiting an action"),
+        (np.array([ids[0], running]), ValueError, "not awaiting an action"),
+        (np.array([[ids[0]]]), TypeError, "1-D array of ints"),
+    ]:
+        with pytest.raises(error, match=match):
+            envs.send(np.zeros(len(bad), dtype=np.int64), bad)
     # Nothing above reached a worker: the envs still run.
     envs.send(np.zeros(2, dtype=np.int64), ids)
     obs, *_ = envs.recv()

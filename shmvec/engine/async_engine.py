@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from shmvec import _core
+from shmvec import _core, _worker_loop
 from shmvec.batching import check_env_ids
 from shmvec.engine.decoder import raise_errors
 from shmvec.engine.pool import WorkerPool
@@ -103,6 +103,10 @@ class AsyncEngine:
         self.consumed_rows = 0
         self.liveness_checked = time.monotonic()
         self.last_command = np.zeros(num_envs, dtype=np.uint8)
+        self.book = _worker_loop.EnvBook(
+            self.awaiting.view(np.uint8), self.env_commands, self.last_command, self.env_worker,
+            [segment.address + offset for offset in layout.doorbell_offsets],
+        )  # fmt: skip
         self.env_reset_args: dict[int, tuple] = {}
         self.decides_handoff = handoff
         self.handoff = False
@@ -132,7 +136,8 @@ class AsyncEngine:
             if self.last_env_ids is None:
                 raise ValueError("send() needs env_ids: no recv() has returned any yet")
             env_ids = self.last_env_ids
-        return self.check_env_ids(env_ids)
+        ids = self.book.idle_ids(env_ids)  # the common case, in one C loop
+        return self.check_env_ids(env_ids) if ids is None else ids
 
     def check_env_ids(self, env_ids: Any) -> np.ndarray:
         """``env_ids`` checked (``batching.check_env_ids``); each must await a command."""
@@ -156,14 +161,10 @@ class AsyncEngine:
         self.was_reset = True
 
     def start_envs(self, env_ids: np.ndarray, command: int) -> None:
-        """Gives each env of ``env_ids`` ``command`` and rings their workers."""
-        self.env_commands[env_ids] = command
-        self.last_command[env_ids] = command
-        self.awaiting[env_ids] = False
+        """Gives each env of ``env_ids`` (int64, checked) ``command`` and rings
+        their workers."""
+        self.book.start(env_ids, command)
         self.in_flight += len(env_ids)
-        # A set, not a count per worker: the cost follows the batch, not num_workers.
-        for index in set(self.env_worker[env_ids].tolist()):
-            self.doorbells[index].ring()
 
     def running(self, ids: np.ndarray) -> np.ndarray:
         """The envs of ``ids`` whose previous command has not been received yet."""
@@ -194,8 +195,7 @@ class AsyncEngine:
                 self._check_workers_now_and_then()
                 pool.run_main_worker(True)
                 self._wait_slot(slot, timeout)
-                env_ids = views.env_ids.astype(np.int64)
-                self._row_messages(slot, views, env_ids, messages)
+                self._row_messages(slot, views, messages)
                 break
             except WorkerDiedError as error:
                 if not self.supervisor.restart_on_death:
@@ -203,7 +203,7 @@ class AsyncEngine:
                 read = {(slot, row) for row in messages}
                 self.supervisor.replace_worker(error.worker, self.rounds, read)
         self.consumed_rows += self.batch_size
-        self.awaiting[env_ids] = True
+        env_ids = self.book.received(views.env_ids)  # as int64; they await commands again
         self.in_flight -= self.batch_size
         self.last_env_ids = env_ids
         self.held_slot = slot
@@ -275,15 +275,15 @@ class AsyncEngine:
             ),
         )
 
-    def _row_messages(self, slot: int, views, env_ids: np.ndarray, messages: dict) -> None:
+    def _row_messages(self, slot: int, views, messages: dict) -> None:
         """Adds to ``messages`` those of the rows that have one, by row (after a
         worker's restart, the rows it still lacks)."""
-        if not views.messages.any():
+        if not _worker_loop.row_messages(self.decoder.columns[slot]):
             return  # the common case: no row sent a message
         for row in np.flatnonzero(views.messages).tolist():
             if row in messages:
                 continue
-            index = int(self.env_worker[env_ids[row]])
+            index = int(self.env_worker[views.env_ids[row]])
             message = self.pool.recv(index, timeout=None, row=True)
             if message["row"] != (slot, row):
                 raise RuntimeError(

@@ -48,7 +48,7 @@ class ResultDecoder:
         self._outcomes = [
             (v.rewards, v.terminations.view(np.bool_), v.truncations.view(np.bool_)) for v in slots
         ]
-        self._columns = [_worker_loop.SlotColumns(v) for v in slots]
+        self.columns = [_worker_loop.SlotColumns(v) for v in slots]
 
     def learn_columns(self, index: int, message: dict) -> None:
         """Worker ``index``'s info columns announced in ``message``."""
@@ -119,7 +119,7 @@ class ResultDecoder:
 
     def ended(self, slot: int) -> int:
         """How many rows of ring slot ``slot`` ended an episode."""
-        return _worker_loop.count_ended(self._columns[slot])
+        return _worker_loop.count_ended(self.columns[slot])
 
     def remote_error(self, errors: list) -> BaseException:
         """The first env error, with the env, the worker and the remote traceback."""
