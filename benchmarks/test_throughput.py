@@ -10,8 +10,9 @@ Groups (one per workload and size) and what each answers:
 - ``cpu100us-8envs``: a 100 us CPU-bound step: does shmvec use every core?
   ``parallel_efficiency = steps/s / (cores x single-env steps/s)``.
 - ``noop-1env``: a step that does nothing: the round trip (``step_us``).
-- ``largeobs-8envs``: 1 MiB observations: shmvec's zero-copy views against
-  AsyncVectorEnv (``async`` copies; ``async-nocopy`` is its copy=False peer).
+- ``largeobs-8envs``: 1 MiB observations: shmvec's lent arrays (``shmvec``,
+  copy=True) and ring views (``shmvec-nocopy``) against Sync/AsyncVectorEnv
+  (``sync`` and ``async`` copy; ``async-nocopy`` is the copy=False peer).
 - ``varstep-16envs``: steps that burn 1-20 x 9.5 us at random: the async
   engine (``batch_size=8``, recv/send) against shmvec's sync mode.
 - ``pong-8envs``: Atari Pong with gymnasium's AtariPreprocessing and
@@ -61,7 +62,7 @@ def test_noop_round_trip(throughput, backend):
 
 
 @pytest.mark.benchmark(group="largeobs-8envs")
-@pytest.mark.parametrize("backend", ["shmvec-nocopy", "async", "async-nocopy"])
+@pytest.mark.parametrize("backend", ["shmvec", "shmvec-nocopy", "sync", "async", "async-nocopy"])
 def test_largeobs_8_envs(throughput, backend):
     throughput("largeobs", backend, num_envs=8, steps=50, rounds=ROUNDS)
 

@@ -2,7 +2,7 @@
 
 Data flow (``batch_size < num_envs``): ``start_envs`` writes each env's
 command (shmvec/protocol.py, env commands) and rings the doorbell of every
-worker owning one; a worker steps each env with a command, claims the next
+worker owning one (``_worker_loop.EnvBook`` keeps these books in C loops); a worker steps each env with a command, claims the next
 row of the result ring (csrc/result_ring.h), writes the result and the env id
 there and publishes the row; ``recv`` waits until a slot's ``batch_size``
 rows are published, reads their messages and hands the slot back on the next
