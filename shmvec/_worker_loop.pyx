@@ -187,6 +187,23 @@ def count_ended(SlotColumns slot):
     return ended
 
 
+def uniform_codes(const uint8_t[:, ::1] codes, list columns, Py_ssize_t rows):
+    """[main] Per info column of ``columns``: the type code that rows ``0 ..
+    rows-1`` all have (shmvec/infos.py), or 0 when one lacks the key or the
+    codes differ."""
+    cdef list out = []
+    cdef Py_ssize_t row, column
+    cdef uint8_t first
+    for column in columns:
+        first = codes[0, column] if rows else 0
+        for row in range(1, rows):
+            if codes[row, column] != first:
+                first = 0
+                break
+        out.append(first)
+    return out
+
+
 def row_messages(SlotColumns slot):
     """[main] Whether a row of ``slot`` has a pickled message (async mode)."""
     cdef Py_ssize_t row

@@ -2,12 +2,13 @@
 
 Data flow (``batch_size < num_envs``): ``start_envs`` writes each env's
 command (shmvec/protocol.py, env commands) and rings the doorbell of every
-worker owning one (``_worker_loop.EnvBook`` keeps these books in C loops); a worker steps each env with a command, claims the next
-row of the result ring (csrc/result_ring.h), writes the result and the env id
-there and publishes the row; ``recv`` waits until a slot's ``batch_size``
-rows are published, reads their messages and hands the slot back on the next
-``recv``. Each env's trajectory is the one it would have alone with the same
-seed and actions; only the order in which envs come back varies.
+worker owning one (``_worker_loop.EnvBook`` keeps these books in C loops); a
+worker steps each env with a command, claims the next row of the result ring
+(csrc/result_ring.h), writes the result and the env id there and publishes
+the row; ``recv`` waits until a slot's ``batch_size`` rows are published,
+reads their messages and hands the slot back on the next ``recv``. Each env's
+trajectory is the one it would have alone with the same seed and actions;
+only the order in which envs come back varies.
 
 Who may call what: the main process's one thread.
 """

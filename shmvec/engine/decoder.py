@@ -59,14 +59,19 @@ class ResultDecoder:
         and numeric columns (``groups()[w]``: the rows worker ``w`` wrote, asked
         for only when workers number their columns differently), merged in row
         order as ``VectorEnv._add_info`` would."""
+        pickled = [item for m in messages for item in m.get("infos", ())]
+        has_columns = any(self.schemas)
+        if not pickled:
+            if not has_columns:
+                return {}
+            return info_columns.merge_uniform(
+                self.schemas, groups, views.info_codes, views.info_cells, rows
+            )
         gathered = {}
-        if any(self.schemas):
+        if has_columns:
             gathered = info_columns.gather(
                 self.schemas, groups, views.info_codes, views.info_cells, rows
             )
-        pickled = [item for m in messages for item in m.get("infos", ())]
-        if not pickled:
-            return info_columns.merge_columns({}, gathered, rows)
         items = sorted(pickled + info_columns.column_dicts(gathered), key=lambda item: item[0])
         return batch_infos(items, rows)
 
