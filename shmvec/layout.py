@@ -419,6 +419,7 @@ class SegmentLayout:
         for _ in range(num_slots):
             offsets, offset = self._place(offset, slot_columns, rows)
             self.slot_offsets.append(offsets)
+        self.ring_end = _align(offset, PAGE)  # where lease regions begin (bridges pin up to here)
         self.region_offsets = []
         for _ in range(obs_regions):
             # Page-aligned: a region's pages serve one caller's arrays at a time.

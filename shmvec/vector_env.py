@@ -583,7 +583,9 @@ class ResultHandoff:
 
     def __init__(self, env: ShmVectorEnv) -> None:
         self._env = env
-        self.region = (env._pool.segment.address, env._pool.segment.size)  # to pin
+        # What a bridge pins: the segment up to the lease regions, which a
+        # bridge does not use (it reads ring slots with copy=False).
+        self.region = (env._pool.segment.address, env._pool.layout.ring_end)
         self.num_slots = len(env._slots)
 
     @property

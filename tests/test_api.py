@@ -970,6 +970,10 @@ def test_copy_true_large_observations_are_lent_not_copied():
         lent = [envs.step(a)[0] for _ in range(LEASE_REGIONS - 1)]
         assert all(_leased(obs) for obs in lent)
         assert not _leased(envs.step(a)[0]), "view still holds the last region"
+        # A device bridge pins the ring (it reads it with copy=False), not the regions.
+        address, size = envs.handoff().region
+        layout = envs._pool.layout
+        assert size == layout.ring_end <= layout.region_offsets[0][0] < envs._pool.segment.size
     finally:
         envs.close()
     assert_same(view, expected_view)
