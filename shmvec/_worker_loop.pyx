@@ -169,14 +169,31 @@ cdef class SlotColumns:
     cdef uint8_t[::1] truncations
     cdef int32_t[::1] env_ids
     cdef uint8_t[::1] messages
+    # Async mode with lease regions: this slot's word of the segment's
+    # slot-regions table, and the regions' observation columns.
+    cdef Py_ssize_t index
+    cdef uint32_t[::1] regions_table
+    cdef list regions
 
-    def __cinit__(self, object views):
+    def __cinit__(self, object views, Py_ssize_t index=0, uint32_t[::1] regions_table=None,
+                  list regions=None):
         self.obs = views.obs
         self.rewards = views.rewards
         self.terminations = views.terminations
         self.truncations = views.truncations
         self.env_ids = views.env_ids
         self.messages = views.messages
+        self.index, self.regions_table, self.regions = index, regions_table, regions
+
+    cpdef object obs_columns(self):
+        """[worker, async mode] Where a row claimed in this slot writes its
+        observation: the lease region main bound to the slot, or its own columns."""
+        cdef uint32_t region
+        if self.regions:
+            region = self.regions_table[self.index]
+            if region:
+                return self.regions[region - 1]
+        return self.obs
 
 
 def count_ended(SlotColumns slot):
@@ -794,7 +811,7 @@ def step_pending(
             message = None
             announced = []
             if error is None:
-                obs_target = {} if stepper.obs_codec.pickled else slot.obs
+                obs_target = {} if stepper.obs_codec.pickled else slot.obs_columns()
                 try:
                     stepper.write(obs_target, slot.rewards, slot.terminations,
                                   slot.truncations, ref.row, result)

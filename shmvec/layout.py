@@ -397,6 +397,11 @@ class SegmentLayout:
         offset += num_workers * CACHE_LINE
         self.ring_offset = offset = _align(offset)
         offset += word_bytes.ring
+        # One uint32 per ring slot (async mode): 1 + the lease region its rows'
+        # observations go to, 0 for its own columns (set by main before it
+        # releases the slot; shmvec/engine/async_engine.py).
+        self.slot_regions_offset = offset = _align(offset)
+        offset += 4 * num_slots
         self.doorbell_offsets = []
         for _ in range(num_workers):
             self.doorbell_offsets.append(_align(offset))
@@ -444,6 +449,12 @@ class SegmentLayout:
             np.ndarray((rows, *spec.shape), spec.dtype, buffer=buffer, offset=off)
             for off, spec in zip(offsets, columns)
         ]
+
+    def slot_regions(self, buffer) -> np.ndarray:
+        """uint32 per ring slot: where its rows' observations go (async mode)."""
+        return np.ndarray(
+            (self.num_slots,), np.uint32, buffer=buffer, offset=self.slot_regions_offset
+        )
 
     def region_views(self, buffer, region: int) -> list[np.ndarray]:
         """The observation columns of lease region ``region``."""
@@ -514,10 +525,15 @@ class SegmentLayout:
         return SlotViews(views[:-7], *views[-7:])
 
 
-def lease_regions(obs_columns: list[ColumnSpec], rows: int) -> int:
-    """How many lease regions a sync-mode segment of ``rows`` envs gets."""
+def lease_regions(obs_columns: list[ColumnSpec], rows: int, ring_slots: int = 0) -> int:
+    """How many lease regions of ``rows`` rows a segment gets: in sync mode up to
+    ``LEASE_REGIONS``; in async mode ``ring_slots`` more (one is bound to each
+    ring slot that workers may fill), or none if the budget cannot spare one."""
     nbytes = rows * sum(spec.dtype.itemsize * math.prod(spec.shape) for spec in obs_columns)
-    return min(LEASE_REGIONS, LEASE_BYTES // nbytes) if nbytes >= LEASE_MIN_BYTES else 0
+    if nbytes < LEASE_MIN_BYTES:
+        return 0
+    regions = min(LEASE_REGIONS + ring_slots, LEASE_BYTES // nbytes)
+    return regions if regions > ring_slots else 0
 
 
 class WordBytes(NamedTuple):

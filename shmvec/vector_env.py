@@ -91,9 +91,9 @@ class ShmVectorEnv(VectorEnvBase):
         shared_memory: if False, observations are pickled, as in AsyncVectorEnv.
         copy: if False, results are views of the result ring, valid for
             ``ring_depth - 1`` further ``step``/``reset`` calls. If True, they
-            are the caller's own; in sync mode, observations of 64 KiB a call
-            or more are lent rather than copied: arrays over shared memory
-            that no later call writes while they (or views of them) are held
+            are the caller's own; observations of 64 KiB a batch or more are
+            lent rather than copied: arrays over shared memory that no later
+            call writes while they (or views of them) are held
             (shmvec/engine/leases.py).
         context: multiprocessing start method (None: Python's default).
         daemon: whether workers are daemonic.
@@ -569,7 +569,9 @@ def _worker_spec(env: ShmVectorEnv, spin_ns: int) -> WorkerSpec:
         use_death_signal=threading.current_thread() is threading.main_thread(),
         on_env_error=env.on_env_error,
         env_concurrency=env.env_concurrency, pin_cpu=env.pin_workers,
-        obs_regions=0 if env.is_async else lease_regions(env._obs_codec.columns(), env.num_envs),
+        obs_regions=lease_regions(
+            env._obs_codec.columns(), env.batch_size, env.ring_depth if env.is_async else 0
+        ),
     )  # fmt: skip
 
 

@@ -280,9 +280,14 @@ class Worker:
         self.stepper = _worker_loop.Stepper(self.action_codec, self.obs_codec, spec.autoreset_mode)
         self.action_views = self.layout.action_views(buffer)
         self.slots = [self.layout.slot_views(buffer, k) for k in range(self.layout.num_slots)]
-        self.slot_columns = [_worker_loop.SlotColumns(views) for views in self.slots]
         self.regions = [
             self.layout.region_views(buffer, r) for r in range(len(self.layout.region_offsets))
+        ]
+        async_regions = self.regions if spec.batch_size < spec.num_envs else None
+        table = self.layout.slot_regions(buffer)
+        self.slot_columns = [
+            _worker_loop.SlotColumns(views, k, table, async_regions)
+            for k, views in enumerate(self.slots)
         ]
         # info key -> column, shared by all slots (a replacement keeps its predecessor's)
         self.info_schema: dict = dict(spec.info_schema or {})
@@ -452,9 +457,8 @@ class Worker:
             self.inbox.setdefault(got, []).append(payload)
 
     def _obs_target(self, arg: int):
-        """Where observations of the round of ``arg`` (slot and region, see
-        protocol.REGION_SHIFT; async mode: the slot) go: columns, or a dict to
-        pickle."""
+        """Where observations of the sync round of ``arg`` (slot and region, see
+        protocol.REGION_SHIFT) go: columns, or a dict to pickle."""
         if self.obs_codec.pickled:
             return {}
         region = (arg >> REGION_SHIFT) & REGION_MASK
@@ -522,7 +526,7 @@ class Worker:
             if how == "claim":
                 slot, row = self.ring.claim()
             views = self.slots[slot]
-            obs_target = self._obs_target(slot)
+            obs_target = {} if self.obs_codec.pickled else self.slot_columns[slot].obs_columns()
             self.stepper.write_row(obs_target, views, row, result)
             views.info_codes[row] = 0
             views.env_ids[row], views.messages[row] = env_id, 1

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import time
 
+import envs as test_envs
 import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode
+from helpers import assert_same
 
 import shmvec
+import shmvec.layout
+from shmvec.layout import LEASE_REGIONS
 
 
 class UnevenStep(gym.Wrapper):
@@ -58,8 +62,16 @@ def reference_step(env, mode, ended, action):
 
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
 @pytest.mark.parametrize("num_envs,num_workers,batch_size", [(8, 2, 3), (6, 3, 1), (9, 2, 5)])
-@pytest.mark.parametrize("step_in_main", [False, True], ids=["workers", "main-too"])
-def test_each_env_matches_stepping_it_alone(mode, num_envs, num_workers, batch_size, step_in_main):
+@pytest.mark.parametrize(
+    "step_in_main,lent",
+    [(False, False), (True, False), (False, True)],
+    ids=["workers", "main-too", "lent"],
+)
+def test_each_env_matches_stepping_it_alone(
+    mode, num_envs, num_workers, batch_size, step_in_main, lent, monkeypatch
+):
+    if lent:  # observations in lease regions (shmvec/engine/leases.py), small as they are
+        monkeypatch.setattr(shmvec.layout, "LEASE_MIN_BYTES", 1)
     envs = shmvec.ShmVectorEnv(
         [uneven(k) for k in range(num_envs)],
         num_workers=num_workers,
@@ -67,6 +79,7 @@ def test_each_env_matches_stepping_it_alone(mode, num_envs, num_workers, batch_s
         autoreset_mode=mode,
         step_in_main=step_in_main,
     )
+    assert (envs._decoder.leases is not None) == lent
     alone = [uneven(k)() for k in range(num_envs)]
     expected = {}
     for e, env in enumerate(alone):
@@ -226,6 +239,40 @@ def test_copy_false_batch_valid_until_next_recv():
         obs2, *_, infos = envs.recv()
         obs, kept = obs2, obs2.copy()
     envs.close()
+
+
+def test_large_observations_are_lent_batch_by_batch():
+    """Batches of 64 KiB of observations or more come in lease regions, one
+    bound to each ring slot when main releases it: each batch stays what recv
+    returned while it is held and the envs run on; once all regions are held,
+    batches are copies; dropped batches free their regions."""
+    fns = test_envs.class_fns(test_envs.CountingEnv, 6, obs_len=4096)  # 64 KiB a batch of 2
+    envs = shmvec.ShmVectorEnv(fns, num_workers=2, batch_size=2)
+    try:
+        regions = len(envs._pool.layout.region_offsets)
+        assert regions == envs.ring_depth + LEASE_REGIONS
+        envs.async_reset(seed=0)
+        held = []
+        for _ in range(regions + 3):
+            obs, *_, infos = envs.recv()
+            held.append((obs, obs.copy(), infos["env_id"]))
+            envs.send(infos["env_id"] % 4, infos["env_id"])
+        lent = [type(obs.base).__name__ == "RegionLease" for obs, _, _ in held]
+        assert lent == [True] * regions + [False] * 3
+        for obs, kept, _ in held:
+            assert_same(obs, kept)
+        counts = {}
+        for obs, _, ids in held:  # each env's count rises by one per batch it is in
+            for row, e in enumerate(ids.tolist()):
+                assert obs[row, 0] == counts.get(e, -1) + 1, e
+                counts[e] = int(obs[row, 0])
+        del held, obs, kept
+        for _ in range(envs.ring_depth + 1):  # each slot rebinds as main releases it
+            obs, *_, infos = envs.recv()
+            envs.send(infos["env_id"] % 4, infos["env_id"])
+        assert type(obs.base).__name__ == "RegionLease"
+    finally:
+        envs.close()
 
 
 def test_sync_mode_send_recv_equals_step():

@@ -224,15 +224,21 @@ class Transitions:
         assert np.array_equal(self.received, self.sent + 1), (self.received, self.sent)
 
 
-@pytest.mark.parametrize("step_in_main", [False, True], ids=["workers", "main-too"])
-def test_async_random_kills_lose_and_duplicate_no_transition(step_in_main):
+@pytest.mark.parametrize(
+    "step_in_main,obs_len",
+    [(False, 2), (True, 2), (False, 2048)],
+    ids=["workers", "main-too", "lent"],
+)
+def test_async_random_kills_lose_and_duplicate_no_transition(step_in_main, obs_len):
     """Async mode: every env's results, counted and checked against its counter,
-    show each transition once, whichever worker died while it ran."""
+    show each transition once, whichever worker died while it ran. With 2048
+    numbers an env (64 KiB a batch), observations come in lease regions."""
     n, batch = 8, 4
-    fns = test_envs.class_fns(test_envs.CountingEnv, n, episode_len=25)
+    fns = test_envs.class_fns(test_envs.CountingEnv, n, episode_len=25, obs_len=obs_len)
     envs = ShmVectorEnv(
         fns, num_workers=4, batch_size=batch, on_worker_death="restart", step_in_main=step_in_main
     )
+    assert (envs._decoder.leases is not None) == (obs_len == 2048)
     rng = np.random.default_rng(11)
     run, kills, t = Transitions(n), 0, 0
     try:
@@ -283,15 +289,20 @@ class DiesWhenTold(test_envs.CountingEnv):
         return obs, reward, terminated, truncated, info
 
 
+@pytest.mark.parametrize("lent", [False, True], ids=["copied", "lent"])
 @pytest.mark.parametrize("where", ["step", "obs", "info"])
-def test_async_restart_wherever_the_worker_dies(where):
+def test_async_restart_wherever_the_worker_dies(where, lent, monkeypatch):
     """The three states a dying worker can leave its last env in: no row yet,
     a claimed row never published (a hole in its slot), a published row whose
-    message never came. The env still delivers exactly one result."""
+    message never came. The env still delivers exactly one result, into the
+    lease region bound to its row's slot too."""
+    if lent:
+        monkeypatch.setattr(shmvec.layout, "LEASE_MIN_BYTES", 1)
     n, batch = 6, 2
     envs = ShmVectorEnv(
         [DiesWhenTold] * n, num_workers=3, batch_size=batch, on_worker_death="restart"
     )
+    assert (envs._decoder.leases is not None) == lent
     rng = np.random.default_rng(3)
     run = Transitions(n)
     try:

@@ -113,8 +113,14 @@ class AsyncEngine:
         self.handoff = False
         self.turns = 0  # recv() calls returned
         self.turn_started: tuple | None = None  # main's clocks at a sampled recv's return
-        for views in pool.slots:
+        # Lease regions (engine/leases.py): each ring slot is bound to a free
+        # one while results are copies, rebound whenever main releases it.
+        self.leases = decoder.leases
+        self.slot_regions = layout.slot_regions(memoryview(segment))
+        self.bound: list[int | None] = [None] * len(pool.slots)  # not yet read
+        for slot, views in enumerate(pool.slots):
             views.env_ids[:] = UNWRITTEN
+            self._bind_region(slot)
 
     # --------------------------------------------------------------- commands
 
@@ -186,7 +192,8 @@ class AsyncEngine:
         if self.held_slot is not None:
             self.rounds.before_slot_reuse(self.held_slot)
             pool.slots[self.held_slot].env_ids[:] = UNWRITTEN
-            self.ring.release(self.held_slot)
+            self._bind_region(self.held_slot)
+            self.ring.release(self.held_slot)  # publishes the two lines above
             self.held_slot = None
         slot = self.recv_slot
         views = pool.slots[slot]
@@ -212,7 +219,14 @@ class AsyncEngine:
         self.stats.count(self.batch_size, self.decoder.ended(slot))
         raise_errors(messages.values(), self.decoder)
         decoder = self.decoder
-        obs = decoder.rows_obs(views, messages, self.batch_size)
+        region = self.bound[slot]
+        if region is None:
+            obs = decoder.rows_obs(views, messages, self.batch_size)
+        elif decoder.copy:
+            self.bound[slot] = None  # the caller's arrays hold it now
+            obs = self.leases.read(region)
+        else:  # copy turned off since the slot was bound: views until the next recv
+            obs = decoder.obs_codec.read_batch(self.leases.views[region], False)
         infos = decoder.merge_infos(
             views, lambda: self._worker_rows(env_ids), messages.values(), self.batch_size
         )
@@ -223,6 +237,19 @@ class AsyncEngine:
         if self.decides_handoff and self.turns % HANDOFF_SAMPLE == 0:
             self.turn_started = (time.perf_counter(), _thread_usage())
         return (obs, *decoder.outcomes(slot), infos)
+
+    def _bind_region(self, slot: int) -> None:
+        """Binds ``slot``, whose rows no worker may claim now, to a free lease
+        region while results are copies (else to its own columns); a region it
+        was bound to and whose rows were never read is free again."""
+        if self.leases is None:
+            return
+        unread = self.bound[slot]
+        region = self.leases.take() if self.decoder.copy else None
+        if unread is not None:
+            self.leases.give_back(unread)
+        self.bound[slot] = region
+        self.slot_regions[slot] = 0 if region is None else region + 1
 
     def _worker_rows(self, env_ids: np.ndarray) -> list[np.ndarray]:
         """Per worker, the rows of this batch that it wrote."""

@@ -1,19 +1,22 @@
-"""ObsLeases: a sync round's observations handed over without a copy.
+"""ObsLeases: a batch of observations handed over without a copy.
 
-With ``copy=True``, ``step`` and ``reset`` return observations the caller
-owns. Instead of copying them out of the ring slot, a round whose
+With ``copy=True``, ``step``, ``reset`` and ``recv`` return observations the
+caller owns. Instead of copying them out of the ring slot, a batch whose
 observations are large (``layout.lease_regions``) is written into a *lease
 region* of the segment that nobody holds, and the caller gets arrays over
 that region: together they keep it (one ``RegionLease``) until the last of
-them is gone, and only then may a later round write there. While every
-region is held (the caller keeps several batches), rounds write into their
-ring slot and are copied out, as without regions.
+them is gone, and only then may a later batch be written there. While every
+region is held (the caller keeps several batches), batches are written into
+their ring slot and copied out, as without regions.
 
-Data flow: ``RoundDriver`` takes a free region when it posts a round and
-names it in the command's arg (protocol.REGION_SHIFT); the workers write
-that round's observations there; ``read`` wraps the region for the caller,
-or ``give_back`` returns it when the round's observations are never read (an
-error, a timed-out round).
+Data flow, sync mode: ``RoundDriver`` takes a free region when it posts a
+round and names it in the command's arg (protocol.REGION_SHIFT); the workers
+write that round's observations there; ``read`` wraps the region for the
+caller, or ``give_back`` returns it when the round's observations are never
+read (an error, a timed-out round). Async mode: ``AsyncEngine`` binds each
+ring slot to a free region (the segment's slot-regions table) before it
+releases the slot to the workers, who write the observations of the rows
+they claim there; ``recv`` wraps the region of the slot it returns.
 
 Who may call what: the main process's one thread. Regions come back to
 ``free`` from whichever thread drops the caller's last array.
