@@ -238,7 +238,7 @@ cdef class RegionLease:
     """[main] One lease region of the segment (shmvec/engine/leases.py) as a
     writable buffer: arrays made over it keep it, and the segment's mapping,
     alive. When the last of them is gone, ``free.append(region)`` hands the
-    region back for a later round."""
+    region back for a later batch."""
 
     cdef object segment
     cdef char* data

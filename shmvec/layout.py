@@ -41,13 +41,13 @@ from shmvec.protocol import (
 
 CACHE_LINE = 64
 PAGE = 4096
-#: Lease regions of a sync-mode segment: the caller may keep this many
-#: observation batches before ``step`` copies again (``self.observations``
-#: holds one of them) ...
+#: Lease regions: the caller may keep this many lent observation batches
+#: before batches are copied again (sync mode: ``self.observations`` holds one
+#: of them; async mode has one more region per ring slot) ...
 LEASE_REGIONS = 4
 #: ... within this many bytes of the segment (pages are taken only once used),
 LEASE_BYTES = 256 << 20
-#: ... for rounds of this many bytes of observations or more. Below, a copy
+#: ... for batches of this many bytes of observations or more. Below, a copy
 #: costs less than making the arrays over a region (2-core VM, warm caches:
 #: a lease ~1.5 us; a copy 0.5 us at 16 KiB, 1.1 at 64, 3.2 at 256; more when
 #: the workers' cores just wrote the data).
@@ -354,15 +354,15 @@ def _align(offset: int, alignment: int = CACHE_LINE) -> int:
 class SegmentLayout:
     """Byte offsets of every region of the segment.
 
-    ``header | barrier | worker words | ring words | doorbells | env commands |
-    action slab | ring slot 0 .. D-1 | lease region 0 .. L-1``, each region
-    and each column starting on its own cache line. A ring slot holds ``rows``
-    results (all envs in sync mode, ``batch_size`` in async mode): the
-    observation columns, the reward (float64), terminated and truncated
-    (uint8), the info columns (see shmvec/infos.py), the env id (int32) and a
-    message flag (uint8). A lease region holds one round's observation columns
-    (sync mode): handed to the caller as the observations themselves instead
-    of a copy (shmvec/engine/leases.py; ``lease_regions`` says how many).
+    ``header | barrier | worker words | ring words | slot regions | doorbells |
+    env commands | action slab | ring slot 0 .. D-1 | lease region 0 .. L-1``,
+    each region and each column starting on its own cache line. A ring slot
+    holds ``rows`` results (all envs in sync mode, ``batch_size`` in async
+    mode): the observation columns, the reward (float64), terminated and
+    truncated (uint8), the info columns (see shmvec/infos.py), the env id
+    (int32) and a message flag (uint8). A lease region holds one batch's observation columns,
+    handed to the caller as the observations themselves instead of a copy
+    (shmvec/engine/leases.py; ``lease_regions`` says how many).
 
     Built identically in the main process and in each worker from the same
     arguments, so only the arguments travel to the workers.

@@ -56,11 +56,11 @@ class ObsLeases:
         ]
 
     def take(self) -> int | None:
-        """A free region for the next round, or None when all are held."""
+        """A free region for the next batch, or None when all are held."""
         return self.free.pop() if self.free else None
 
     def give_back(self, region: int) -> None:
-        """Returns a region whose round's observations were never read."""
+        """Returns a region whose batch of observations was never read."""
         self.free.append(region)
 
     def read(self, region: int) -> Any:
