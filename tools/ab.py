@@ -6,7 +6,9 @@
 Sync cases step every env each call; async cases (``batch``) run the
 ``recv``/``send`` loop on batches of that many envs. Session 9 ran
 ``--variants default unpinned`` (docs/device-session9/run6-pin-ab.log, where
-``default`` pinned every mode) and the spin variants on 16 cores.
+``default`` pinned every mode) and the spin variants on 16 cores. Lent
+observations (session 10) against copies and plain views:
+``--variants default copied views --cases pong-64 pong-64-async``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 
 import numpy as np
 
-from shmvec import ShmVectorEnv, spin
+from shmvec import ShmVectorEnv, layout, spin
 from shmvec_bench.workloads import WORKLOADS
 
 CASES = {  # name: (workload, num_envs, batch (None: sync))
@@ -30,6 +32,10 @@ CASES = {  # name: (workload, num_envs, batch (None: sync))
     "cartpole-64-async": ("cartpole", 64, 32),
     "cartpole-256-async": ("cartpole", 256, 128),
     "cpu100us-64-async": ("cpu100us", 64, 32),
+    "pong-64": ("pong", 64, None),
+    "pong-64-async": ("pong", 64, 32),
+    "largeobs-16": ("largeobs", 16, None),
+    "largeobs-16-async": ("largeobs", 16, 8),
 }
 VARIANTS = {
     "default": {},
@@ -38,17 +44,21 @@ VARIANTS = {
     "spin100us": {"spin_ns": 100_000},
     "spin500us": {"spin_ns": 500_000},
     "cap200us": {"_many_cores_cap": 200_000},  # the cap before session 9
+    "copied": {"_no_leases": True},  # observations copied, as before session 10
+    "views": {"copy": False},  # no copy and no lease: what lending can approach
 }
 
 
 def rate(workload: str, n: int, batch: int | None, seconds: float, **kwargs) -> float:
     cap = kwargs.pop("_many_cores_cap", None)
-    saved = spin.MANY_CORES_SPIN_CAP_NS
-    spin.MANY_CORES_SPIN_CAP_NS = saved if cap is None else cap
+    saved = spin.MANY_CORES_SPIN_CAP_NS, layout.LEASE_MIN_BYTES
+    spin.MANY_CORES_SPIN_CAP_NS = saved[0] if cap is None else cap
+    if kwargs.pop("_no_leases", False):
+        layout.LEASE_MIN_BYTES = 1 << 62
     try:
         env = ShmVectorEnv([WORKLOADS[workload]] * n, batch_size=batch, **kwargs)
     finally:
-        spin.MANY_CORES_SPIN_CAP_NS = saved
+        spin.MANY_CORES_SPIN_CAP_NS, layout.LEASE_MIN_BYTES = saved
     try:
         actions = np.zeros(n, dtype=np.int64)
         if batch is None:
