@@ -91,8 +91,8 @@ def merge_uniform(
 ) -> dict:
     """``merge_columns(gather(...))`` with no other infos, faster where every
     worker numbered its columns alike and every row reports a key with one
-    type (the steady state of Atari's infos): one C scan a key instead of
-    several numpy passes."""
+    type (the steady state of Atari's infos): one C scan of the type codes
+    instead of several numpy passes a key."""
     first = schemas[0]
     if not all(schema == first for schema in schemas):
         return merge_columns({}, gather(schemas, groups, codes, cells, rows), rows)
@@ -113,11 +113,6 @@ def merge_columns(infos: dict, gathered: dict, num_envs: int) -> dict:
     """Adds the column infos to ``infos`` as ``_add_info`` would (no other infos)."""
     for key, (key_codes, key_cells) in gathered.items():
         present = key_codes != 0
-        first = int(key_codes[0])
-        if first and (key_codes == first).all():  # every env, one type: the usual case
-            infos[key] = key_cells.view(_CELL_VIEWS[first]).astype(_BATCH_DTYPES[first])
-            infos[f"_{key}"] = present
-            continue
         rows = np.flatnonzero(present)
         first = int(key_codes[rows[0]])
         array = np.zeros(num_envs, dtype=_BATCH_DTYPES[first])

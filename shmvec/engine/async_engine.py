@@ -219,14 +219,8 @@ class AsyncEngine:
         self.stats.count(self.batch_size, self.decoder.ended(slot))
         raise_errors(messages.values(), self.decoder)
         decoder = self.decoder
-        region = self.bound[slot]
-        if region is None:
-            obs = decoder.rows_obs(views, messages, self.batch_size)
-        elif decoder.copy:
-            self.bound[slot] = None  # the caller's arrays hold it now
-            obs = self.leases.read(region)
-        else:  # copy turned off since the slot was bound: views until the next recv
-            obs = decoder.obs_codec.read_batch(self.leases.views[region], False)
+        region, self.bound[slot] = self.bound[slot], None  # the caller's arrays hold it now
+        obs = decoder.rows_obs(views, messages, self.batch_size, region)
         infos = decoder.merge_infos(
             views, lambda: self._worker_rows(env_ids), messages.values(), self.batch_size
         )
@@ -244,10 +238,7 @@ class AsyncEngine:
         was bound to and whose rows were never read is free again."""
         if self.leases is None:
             return
-        unread = self.bound[slot]
-        region = self.leases.take() if self.decoder.copy else None
-        if unread is not None:
-            self.leases.give_back(unread)
+        region = self.leases.next_region(self.bound[slot], self.decoder.copy)
         self.bound[slot] = region
         self.slot_regions[slot] = 0 if region is None else region + 1
 

@@ -105,8 +105,11 @@ class ResultDecoder:
         for new, old in zip(columns, previous):
             new[rows] = old[rows]
 
-    def rows_obs(self, views, messages: dict[int, dict], rows: int) -> Any:
-        """An async batch's observations, ``messages`` by row."""
+    def rows_obs(self, views, messages: dict[int, dict], rows: int, region: int | None) -> Any:
+        """An async batch's observations, ``messages`` by row; from lease region
+        ``region`` if not None."""
+        if region is not None:
+            return self.leases.read(region)
         if self.obs_codec.pickled:
             values = [None] * rows
             for row, message in messages.items():

@@ -9,12 +9,12 @@ them is gone, and only then may a later batch be written there. While every
 region is held (the caller keeps several batches), batches are written into
 their ring slot and copied out, as without regions.
 
-Data flow, sync mode: ``RoundDriver`` takes a free region when it posts a
-round and names it in the command's arg (protocol.REGION_SHIFT); the workers
-write that round's observations there; ``read`` wraps the region for the
-caller, or ``give_back`` returns it when the round's observations are never
-read (an error, a timed-out round). Async mode: ``AsyncEngine`` binds each
-ring slot to a free region (the segment's slot-regions table) before it
+Data flow, sync mode: ``RoundDriver`` takes a region (``next_region``) when
+it posts a round and names it in the command's arg (protocol.REGION_SHIFT);
+the workers write that round's observations there; ``read`` wraps the region
+for the caller, or the next ``next_region`` frees it if they were never read
+(an error, a timed-out round). Async mode: ``AsyncEngine`` binds each ring
+slot to a region the same way (the segment's slot-regions table) before it
 releases the slot to the workers, who write the observations of the rows
 they claim there; ``recv`` wraps the region of the slot it returns.
 
@@ -55,13 +55,15 @@ class ObsLeases:
             for views, (start, _) in zip(self.views, self.spans)
         ]
 
-    def take(self) -> int | None:
-        """A free region for the next batch, or None when all are held."""
-        return self.free.pop() if self.free else None
-
-    def give_back(self, region: int) -> None:
-        """Returns a region whose batch of observations was never read."""
-        self.free.append(region)
+    def next_region(self, unread: int | None, lend: bool) -> int | None:
+        """The region for the next batch: a free one if ``lend`` (results are
+        copies) and one is free, else None (the ring slot's own columns). The
+        region ``unread``, whose batch was never read, is free again after
+        this choice, so the next batch never lands where the last one was."""
+        region = self.free.pop() if lend and self.free else None
+        if unread is not None:
+            self.free.append(unread)
+        return region
 
     def read(self, region: int) -> Any:
         """The observations written into ``region``, as arrays over it: the

@@ -81,14 +81,10 @@ class RoundDriver:
     def obs_arg(self, slot: int) -> int:
         """The arg of a round of observations (STEP, RESET) into ``slot``: with
         a free lease region when results are copies and one is free."""
-        leases = self.leases
-        if leases is None:
+        if self.leases is None:
             return slot
-        unread = self.unread
-        self.unread = region = leases.take() if self.decoder.copy else None
-        if unread is not None:  # the last round's observations were never read
-            leases.give_back(unread)
-        self.slot_regions[slot] = region
+        region = self.leases.next_region(self.unread, self.decoder.copy)
+        self.unread = self.slot_regions[slot] = region
         return slot if region is None else slot | (region + 1) << REGION_SHIFT
 
     def read_obs(self, messages: dict[int, dict]) -> Any:
@@ -141,6 +137,7 @@ class RoundDriver:
         slot = self.slot = (self.slot + 1) % self.ring_depth
         self.before_slot_reuse(slot)
         self.kind = STEP
+        # obs_arg(slot) is slot without regions: a call fewer per step there.
         self.arg = arg = slot if self.leases is None else self.obs_arg(slot)
         barrier = self.barrier
         barrier.post(STEP, arg)
