@@ -79,7 +79,8 @@ class WorkerSpec:
     env_concurrency: int | None = None
     # Step on one CPU (_worker_cpu) alone: shmvec.spin.default_pinning.
     pin_cpu: bool = False
-    # Lease regions in the segment (shmvec.layout.lease_regions; sync mode).
+    # Lease regions in the segment (shmvec.layout.lease_regions; async mode: one
+    # more per ring slot).
     obs_regions: int = 0
 
 
