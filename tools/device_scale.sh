@@ -2,7 +2,8 @@
 # The 16-core sweep of issue 13, for the device machine (see the README's "Figures"):
 #   bash .benchkit/run.sh bash tools/device_scale.sh [part ...]
 # Parts: t1, t2 (issue 13's two tables), idle (tests/test_idle.py), probe (tools/scale_probe.py),
-# trace (tools/round_trace.py), leases (tools/ab.py: lent observations against copies and views),
+# trace (tools/round_trace.py), turn (tools/main_turn.py: main's own turn per sync round, in
+# parts), leases (tools/ab.py: lent observations against copies and views),
 # handoff (the CUDA hand-off bench), torch (tests/test_torch.py), ppo (examples/ppo_atari.py,
 # 64 envs, 8 iterations, sync against gymnasium Async and EnvPool, then --async-envs).
 # Writes $OUT/<part>.csv and $OUT/<part>.log (or ./device-out without $OUT), plus
@@ -26,6 +27,7 @@ for t in ${@:-t1 t2 idle probe}; do
     idle) timeout 120 python3 -m pytest -q tests/test_idle.py 2>&1 | tee "$OUT/idle.log" ;;
     probe) timeout 200 python3 tools/scale_probe.py 2>&1 | tee "$OUT/probe.log" ;;
     trace) timeout 200 python3 tools/round_trace.py 2>&1 | grep -v "A.L.E\|Stella" | tee "$OUT/trace.log" ;;
+    turn) timeout 100 python3 tools/main_turn.py 2>&1 | grep -v "A.L.E\|Stella" | tee "$OUT/turn.log" ;;
     leases) timeout 240 python3 tools/ab.py --variants default copied views --cases pong-64 \
               pong-64-async largeobs-16 largeobs-16-async 2>&1 | grep -v "A.L.E\|Stella" \
               | tee "$OUT/leases.log" ;;
