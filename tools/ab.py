@@ -8,7 +8,9 @@ Sync cases step every env each call; async cases (``batch``) run the
 ``--variants default unpinned`` (docs/device-session9/run6-pin-ab.log, where
 ``default`` pinned every mode) and the spin variants on 16 cores. Lent
 observations (session 10) against copies and plain views:
-``--variants default copied views --cases pong-64 pong-64-async``.
+``--variants default copied views --cases pong-64 pong-64-async``. Whether more
+worker processes than CPUs even out a sync round's ends (session 11, for the 16-core
+machine): ``--variants default workers2x workers4x --cases pong-64 cpu100us-64``.
 """
 
 from __future__ import annotations
@@ -46,11 +48,18 @@ VARIANTS = {
     "cap200us": {"_many_cores_cap": 200_000},  # the cap before session 9
     "copied": {"_no_leases": True},  # observations copied, as before session 10
     "views": {"copy": False},  # no copy and no lease: what lending can approach
+    # More worker processes than CPUs, unpinned: the scheduler then moves the work of
+    # a slow vCPU to the others (fewer envs per worker), at the price of more switches.
+    "workers2x": {"_workers_per_cpu": 2, "pin_workers": False},
+    "workers4x": {"_workers_per_cpu": 4, "pin_workers": False},
 }
 
 
 def rate(workload: str, n: int, batch: int | None, seconds: float, **kwargs) -> float:
     cap = kwargs.pop("_many_cores_cap", None)
+    per_cpu = kwargs.pop("_workers_per_cpu", None)
+    if per_cpu is not None:
+        kwargs["num_workers"] = min(n, per_cpu * spin.available_cpus())
     saved = spin.MANY_CORES_SPIN_CAP_NS, layout.LEASE_MIN_BYTES
     spin.MANY_CORES_SPIN_CAP_NS = saved[0] if cap is None else cap
     if kwargs.pop("_no_leases", False):

@@ -3,7 +3,8 @@
 #   bash .benchkit/run.sh bash tools/device_scale.sh [part ...]
 # Parts: t1, t2 (issue 13's two tables), idle (tests/test_idle.py), probe (tools/scale_probe.py),
 # trace (tools/round_trace.py), turn (tools/main_turn.py: main's own turn per sync round, in
-# parts), leases (tools/ab.py: lent observations against copies and views),
+# parts), leases (tools/ab.py: lent observations against copies and views), oversub (tools/ab.py:
+# 2x and 4x as many unpinned workers as CPUs against the default, Pong x64 and cpu100us x64),
 # handoff (the CUDA hand-off bench), torch (tests/test_torch.py), ppo (examples/ppo_atari.py,
 # 64 envs, 8 iterations, sync against gymnasium Async and EnvPool, then --async-envs).
 # Writes $OUT/<part>.csv and $OUT/<part>.log (or ./device-out without $OUT), plus
@@ -31,6 +32,8 @@ for t in ${@:-t1 t2 idle probe}; do
     leases) timeout 240 python3 tools/ab.py --variants default copied views --cases pong-64 \
               pong-64-async largeobs-16 largeobs-16-async 2>&1 | grep -v "A.L.E\|Stella" \
               | tee "$OUT/leases.log" ;;
+    oversub) timeout 240 python3 tools/ab.py --variants default workers2x workers4x --cases pong-64 \
+               cpu100us-64 2>&1 | grep -v "A.L.E\|Stella" | tee "$OUT/oversub.log" ;;
     handoff) run handoff 150 --workloads handoff --device cuda ;;
     torch) timeout 150 python3 -m pytest -q tests/test_torch.py 2>&1 | tee "$OUT/torch.log" ;;
     ppo) P="python3 examples/ppo_atari.py --num-envs 64 --total-timesteps 65536"
