@@ -8,6 +8,7 @@ done flags are written through typed pointers. Gymnasium semantics (autoreset
 modes, what goes into infos) are the same as in ``SyncVectorEnv.step``.
 """
 
+cimport cython
 from libc.errno cimport errno
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from cpython.buffer cimport (
@@ -230,9 +231,6 @@ def row_messages(SlotColumns slot):
     return False
 
 
-cimport cython
-
-
 @cython.no_gc_clear
 cdef class RegionLease:
     """[main] One lease region of the segment (shmvec/engine/leases.py) as a
@@ -268,9 +266,6 @@ cdef class RegionLease:
         buffer.strides = NULL
         buffer.suboffsets = NULL
         buffer.internal = NULL
-
-    def __releasebuffer__(self, Py_buffer* buffer):
-        pass
 
     def __dealloc__(self):
         self.free.append(self.region)

@@ -360,9 +360,9 @@ class SegmentLayout:
     holds ``rows`` results (all envs in sync mode, ``batch_size`` in async
     mode): the observation columns, the reward (float64), terminated and
     truncated (uint8), the info columns (see shmvec/infos.py), the env id
-    (int32) and a message flag (uint8). A lease region holds one batch's observation columns,
-    handed to the caller as the observations themselves instead of a copy
-    (shmvec/engine/leases.py; ``lease_regions`` says how many).
+    (int32) and a message flag (uint8). A lease region holds one batch's
+    observation columns, handed to the caller as the observations themselves
+    instead of a copy (shmvec/engine/leases.py; ``lease_regions`` says how many).
 
     Built identically in the main process and in each worker from the same
     arguments, so only the arguments travel to the workers.
