@@ -151,14 +151,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = machine_summary(cores, load_before)
     plotted = write_plot(measurements, args.out / "throughput.png", cores, title=summary)
     print(summary)
-    print(f"efficiency = steps/s / ({cores} cores x single-env steps/s)")
+    print(
+        f"efficiency (of {cores} x single) = steps/s / ({cores} cores x the 'single' row's "
+        "steps/s: one env stepped in this process, same run); CPU-bound workloads only"
+    )
     if any(args.policy_us):
         print(
             "vs min(envs, policy) = steps/s / min(the same row without the policy, "
             "the 'policy' row of its batch: batch / policy wait)"
         )
     print()
-    print(markdown_table(measurements))
+    print(markdown_table(measurements, cores))
     written = ["results.csv"] + (["throughput.png"] if plotted else [])
     print(
         f"\n{len(measurements)} measurements in {time.perf_counter() - started:.1f} s; "

@@ -25,7 +25,7 @@ from shmvec_bench.backends import opened
 from shmvec_bench.policy import PolicyWait
 from shmvec_bench.registry import REGISTRY, Stepper, async_batch
 from shmvec_bench.rss import tree_rss_mib
-from shmvec_bench.workloads import WAIT_S
+from shmvec_bench.workloads import CPU_BOUND, WAIT_S
 
 
 @dataclass
@@ -48,7 +48,9 @@ class Measurement:
     vs_sync: float | None = None
     #: ``steps_per_s`` over ``async``'s for the same workload, ``num_envs`` and policy.
     vs_async: float | None = None
-    #: ``steps_per_s / (cores * single-env steps_per_s)``.
+    #: Parallel efficiency, ``steps_per_s / (cores * single-env steps_per_s)`` with
+    #: the ``single`` row of the same run: for ``CPU_BOUND`` workloads only, and
+    #: not on the ``single`` row itself (where it is ``1 / cores`` by construction).
     efficiency: float | None = None
     #: Why the run failed (exception type and message), or None.
     error: str | None = None
@@ -218,7 +220,8 @@ def add_ratios(measurements: Sequence[Measurement], cores: int) -> None:
             m.vs_sync = m.steps_per_s / sync if sync else None
             m.vs_async = m.steps_per_s / asyn if asyn else None
         base = single.get(m.workload)
-        m.efficiency = m.steps_per_s / (cores * base) if base else None
+        if base and m.workload in CPU_BOUND and m.backend != "single":
+            m.efficiency = m.steps_per_s / (cores * base)
         if m.policy_us:
             envs = alone.get((m.workload, m.backend, m.num_envs, m.num_workers, m.batch))
             think = policy.get((m.policy_us, m.batch))

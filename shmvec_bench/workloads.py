@@ -19,6 +19,12 @@ LARGE_OBS_SHAPE = (512, 2048)
 #: Seconds each step of a waiting workload sleeps: the bound on its steps/s is
 #: ``num_envs / wait``, whatever the cores.
 WAIT_S = {"wait5ms": 5e-3, "wait20ms": 20e-3, "mixed": 2e-3}
+#: Workloads whose step is the env's own CPU work: for them ``cores`` x one env's
+#: steps/s bounds what any backend reaches, and parallel efficiency is the share
+#: of that bound a backend gets. A step that does nothing (``noop``, ``largeobs``,
+#: ``pongsize``) measures the backend, not the env, and a waiting step is bound by
+#: ``num_envs / wait`` instead, so neither has an efficiency.
+CPU_BOUND = frozenset({"cartpole", "cpu100us", "varstep", "pong"})
 
 
 def burn_cpu(seconds: float) -> None:

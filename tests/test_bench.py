@@ -4,6 +4,8 @@ async warm-up, the policy wait, RSS, the CLI and the hand-off on the CPU."""
 from __future__ import annotations
 
 import csv
+import dataclasses
+import importlib.util
 import os
 import subprocess
 import sys
@@ -12,10 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from shmvec_bench import backends, registry, rss
+from shmvec_bench import backends, registry, report, rss
 from shmvec_bench.cli import main
 from shmvec_bench.policy import SPIN_MARGIN_S, PolicyWait
-from shmvec_bench.runner import Case, measure, plan_cases
+from shmvec_bench.report import markdown_table
+from shmvec_bench.runner import Case, Measurement, add_ratios, measure, plan_cases
 from shmvec_bench.workloads import WORKLOADS
 
 
@@ -188,6 +191,8 @@ def test_cli_writes_the_csv_with_the_new_columns(tmp_path, capsys):
     assert all(float(r["rss_mib"]) > 0 for r in rows)
     assert rows[1]["main_wait_frac"] and rows[1]["vs_sync"]
     assert "| noop | shmvec | 2 |" in capsys.readouterr().out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
 def test_handoff_on_the_cpu(tmp_path, capsys, monkeypatch):
@@ -205,3 +210,75 @@ def test_handoff_on_the_cpu(tmp_path, capsys, monkeypatch):
         assert "CUDA not available: CPU figures only" in out
         assert "skipped (no CUDA)" in out
         assert (tmp_path / "handoff.csv").exists()
+
+
+def _row(workload, backend, num_envs, steps_per_s):
+    return Measurement(workload, backend, num_envs, 0, 100, 1.0, steps_per_s, 10.0)
+
+
+def quick_like_rows():
+    rows = [
+        _row("cartpole", "shmvec", 32, 90_000),
+        _row("cartpole", "sync", 32, 60_000),
+        _row("cartpole", "single", 1, 50_000),
+        _row("noop", "shmvec", 1, 30_000),
+        _row("noop", "sync", 1, 20_000),
+        _row("noop", "single", 1, 1_500_000),
+    ]
+    add_ratios(rows, cores=2)
+    return rows
+
+
+def test_efficiency_only_for_cpu_bound_workloads_and_not_on_single():
+    rows = {(m.workload, m.backend): m for m in quick_like_rows()}
+    assert rows["cartpole", "shmvec"].efficiency == pytest.approx(90_000 / (2 * 50_000))
+    assert rows["cartpole", "sync"].efficiency == pytest.approx(60_000 / (2 * 50_000))
+    # The single row would read 1 / cores by construction; a do-nothing step has no bound.
+    assert rows["cartpole", "single"].efficiency is None
+    assert all(m.efficiency is None for (w, _), m in rows.items() if w == "noop")
+    assert rows["noop", "shmvec"].vs_sync == pytest.approx(1.5)
+
+
+def test_table_names_the_efficiency_bound_and_leaves_it_empty_where_meaningless():
+    table = markdown_table(quick_like_rows(), cores=2).splitlines()
+    header = [h.strip() for h in table[0].strip("|").split("|")]
+    column = header.index("efficiency (of 2 x single)")
+    cells = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in table[2:]}
+
+    def efficiency(workload, backend):
+        return [c.strip() for c in cells[workload, backend].strip("|").split("|")][column]
+
+    assert efficiency("cartpole", "shmvec") == "90%"
+    assert efficiency("cartpole", "single") == ""
+    assert efficiency("noop", "shmvec") == efficiency("noop", "single") == ""
+    # Without a CPU-bound workload the column is left out.
+    noop_only = [m for m in quick_like_rows() if m.workload == "noop"]
+    assert "efficiency" not in markdown_table(noop_only, cores=2)
+
+
+def test_one_row_per_backend_is_bars_a_sweep_is_lines():
+    rows = quick_like_rows()
+    assert not report.is_sweep(rows)
+    sweep = rows + [_row("cartpole", "shmvec", 64, 95_000), _row("cartpole", "sync", 64, 61_000)]
+    assert report.is_sweep(sweep)
+    workers = rows + [dataclasses.replace(rows[0], num_workers=4)]
+    assert report.is_sweep(workers)
+
+
+def test_bar_plot_labels_every_bar_relative_to_sync(tmp_path):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    rows = quick_like_rows()
+    fig = report._bars(plt, rows, cores=2)
+    ax = fig.axes[0]
+    try:
+        heights = sorted(round(p.get_height(), 3) for p in ax.patches)
+        assert heights == [1.0, 1.0, 1.5, 1.5]  # shmvec and sync per workload; single is no bar
+        texts = {t.get_text() for t in ax.texts}
+        assert {"1.50x\n90k/s", "1.50x\n30k/s", "1.00x\n60k/s"} <= texts
+        # The bound (2 cores x one env, over sync) only for the CPU-bound workload.
+        assert "1.67x" in texts
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["cartpole\n32 envs", "noop\n1 env"]
+    finally:
+        plt.close(fig)
+    assert report.write_plot(rows, tmp_path / "bars.png", cores=2)
+    assert (tmp_path / "bars.png").stat().st_size > 0
