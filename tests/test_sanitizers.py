@@ -1,8 +1,9 @@
 """The C++ core's native test (csrc/tests/core_test.cc), built without sanitizers.
 
-tools/sanitize.sh runs the same program under ASan+UBSan and TSan; this test
-keeps it compiling and passing in the normal suite. It builds only the core
-and the test program (no Python modules): ~10 s on 2 cores. Skipped when
+dev/sanitize.sh (in the repository, not the sdist) runs the same program under
+ASan+UBSan and TSan; this test keeps it compiling and passing in the normal
+suite. It builds only the core and the test program (no Python modules): ~10 s
+on 2 cores. Skipped when
 cmake, a C++ compiler or pybind11 (which CMakeLists.txt looks for) is missing.
 """
 

@@ -1,16 +1,26 @@
 """Steps/s of ShmVectorEnv variants, alternated in one run (medians of repeats).
 
-    python tools/ab.py [--variants default unpinned ...] [--cases NAME ...]
-                       [--seconds S] [--repeats R]
+    python dev/ab.py [--variants default unpinned ...] [--cases NAME ...]
+                     [--seconds S] [--repeats R]
 
-Sync cases step every env each call; async cases (``batch``) run the
-``recv``/``send`` loop on batches of that many envs. Session 9 ran
-``--variants default unpinned`` (docs/device-session9/run6-pin-ab.log, where
-``default`` pinned every mode) and the spin variants on 16 cores. Lent
-observations (session 10) against copies and plain views:
-``--variants default copied views --cases pong-64 pong-64-async``. Whether more
-worker processes than CPUs even out a sync round's ends (session 11, for the 16-core
-machine): ``--variants default workers2x workers4x --cases pong-64 cpu100us-64``.
+An A/B bench for one mechanism at a time: each repeat runs every variant once
+per case, in turn, so that drift in the machine's speed hits them all alike,
+and each cell prints a variant's median steps/s and its ratio to the first
+variant's. Sync cases step every env each call; async cases (names ending in
+``-async``) run the ``recv``/``send`` loop on batches of the given size.
+
+Variants (``VARIANTS``): ``pinned``/``unpinned`` workers; the spin budget
+(``spin100us``, ``spin500us``) and the many-core spin cap at 200 us
+(``cap200us``); observations copied instead of lent (``copied``) and plain
+``copy=False`` views (``views``, what lending can approach); 2x and 4x as many
+unpinned worker processes as CPUs (``workers2x``, ``workers4x``). Examples:
+
+    python dev/ab.py --variants default unpinned
+    python dev/ab.py --variants default copied views --cases pong-64 pong-64-async
+    python dev/ab.py --variants default workers2x workers4x --cases pong-64 cpu100us-64
+
+The ``pong`` cases need ``shmvec[atari]``. Run it from the repository root with
+shmvec built (``python setup.py build_ext --inplace``).
 """
 
 from __future__ import annotations
@@ -45,8 +55,10 @@ VARIANTS = {
     "unpinned": {"pin_workers": False},
     "spin100us": {"spin_ns": 100_000},
     "spin500us": {"spin_ns": 500_000},
-    "cap200us": {"_many_cores_cap": 200_000},  # the cap before session 9
-    "copied": {"_no_leases": True},  # observations copied, as before session 10
+    # spin.MANY_CORES_SPIN_CAP_NS at 200 us instead of its default.
+    "cap200us": {"_many_cores_cap": 200_000},
+    # No lease regions (layout.LEASE_MIN_BYTES out of reach): observations copied.
+    "copied": {"_no_leases": True},
     "views": {"copy": False},  # no copy and no lease: what lending can approach
     # More worker processes than CPUs, unpinned: the scheduler then moves the work of
     # a slow vCPU to the others (fewer envs per worker), at the price of more switches.
@@ -95,18 +107,30 @@ def rate(workload: str, n: int, batch: int | None, seconds: float, **kwargs) -> 
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", nargs="+", default=["default", "unpinned"])
-    parser.add_argument("--cases", nargs="+", default=list(CASES))
-    parser.add_argument("--seconds", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--variants", nargs="+", default=["default", "unpinned"], choices=list(VARIANTS),
+        help="the variants to alternate; ratios are to the first (default: default unpinned)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cases", nargs="+", default=list(CASES), choices=list(CASES),
+        help="workload-num_envs[-async] cases (default: all)",
+    )  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=1.0, help="timed window per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant per case")
     args = parser.parse_args()
     for case in args.cases:
         workload, n, batch = CASES[case]
         got: dict[str, list[float]] = {v: [] for v in args.variants}
-        for _ in range(args.repeats):
-            for variant in args.variants:
-                got[variant].append(rate(workload, n, batch, args.seconds, **VARIANTS[variant]))
+        try:
+            for _ in range(args.repeats):
+                for variant in args.variants:
+                    got[variant].append(rate(workload, n, batch, args.seconds, **VARIANTS[variant]))
+        except Exception as exc:  # e.g. pong without ale-py: say so, go on with the rest
+            print(f"{case:20s} {type(exc).__name__}: {exc}", flush=True)
+            continue
         base = statistics.median(got[args.variants[0]])
         cells = "  ".join(
             f"{v} {statistics.median(r):>11,.0f} ({statistics.median(r) / base:.2f})"

@@ -14,7 +14,7 @@
 # aborts on the first C++ exception ("CHECK failed: asan_interceptors.cpp").
 # detect_leaks=0: CPython's own allocations would be reported as leaks.
 #
-# Usage: tools/sanitize.sh [address] [thread] [--python] [-- pytest args]
+# Usage: dev/sanitize.sh [address] [thread] [--python] [-- pytest args]
 # (no sanitizer named: both).
 set -euo pipefail
 

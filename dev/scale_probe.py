@@ -1,12 +1,14 @@
-"""Where a round's time goes on a many-core machine (issue 13's 16-core sweep).
+"""Where a round's time goes on a many-core machine.
 
-    python tools/scale_probe.py [--seconds S] [--only NAME ...]
+    python dev/scale_probe.py [--seconds S] [--only NAME ...] [--ceiling WORKLOAD ...]
 
 For each configuration: steps/s, the round's median, the workers' busy and CPU
 fractions, their env threads, and from /proc (schedstat, status) the time each
 process was runnable but not running and its involuntary switches, per round.
 ``ceiling`` rows step one env in each of ``cores`` processes at once: the
 machine's all-core rate, next to the bench's ``cores x one env alone``.
+
+Linux only (/proc); the ``pong`` configurations need ``shmvec[atari]``.
 """
 
 from __future__ import annotations
@@ -124,10 +126,18 @@ CONFIGS = [
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=1.5)
-    parser.add_argument("--only", nargs="*", default=None)
-    parser.add_argument("--ceiling", nargs="*", default=["cpu100us", "cartpole", "pong"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=1.5, help="timed window per config")
+    parser.add_argument(
+        "--only", nargs="*", default=None,
+        help="configurations whose name contains any of these (default: all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ceiling", nargs="*", default=["cpu100us", "cartpole", "pong"],
+        help="workloads for the all-core ceiling rows (none: skip them)",
+    )  # fmt: skip
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
     for workload in args.ceiling:

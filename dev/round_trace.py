@@ -1,6 +1,6 @@
-"""Where one synchronous round goes, from timestamps (issue 13's 16-core sweep).
+"""Where one synchronous round goes, from timestamps.
 
-    python tools/round_trace.py [--seconds S]
+    python dev/round_trace.py [--seconds S] [--only NAME ...]
 
 Every env is wrapped so that each step (or reset) stores CLOCK_MONOTONIC at
 its start and end in a shared array; the main process stores the time it
@@ -9,6 +9,10 @@ first env start and last env end, this prints medians (and p90) of: the delay
 before each worker's first env starts (median worker, and the last worker),
 the spread of the workers' ends, and how long after the last end ``step``
 returned; and main's own time between rounds. Fork start method only.
+
+Each configuration (``CONFIGS``) runs with the default pinning and unpinned;
+the sizes (16 to 256 envs) are meant for a machine with many cores. The
+``pong`` ones need ``shmvec[atari]``.
 """
 
 from __future__ import annotations
@@ -116,9 +120,13 @@ CONFIGS = [  # default (pinned where shmvec.spin.default_pinning says so), then 
 ]
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--seconds", type=float, default=1.5)
-    parser.add_argument("--only", nargs="*", default=None)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=1.5, help="timed window per config")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="configurations by exact name (default: all)"
+    )
     args = parser.parse_args()
     for name, workload, n, kwargs in CONFIGS:
         if args.only is None or any(o == name for o in args.only):
