@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
-from dataclass_args import parse_dataclass
+from dataclass_args import help_text, parse_dataclass
 from gymnasium.vector import AutoresetMode
 from gymnasium.wrappers.vector import RecordEpisodeStatistics
 from ppo_update import layer_init, ppo_update
@@ -113,7 +113,7 @@ class Args:
 def parse_args(argv: list[str] | None = None) -> Args:
     """``Args`` from the command line: ``--num-envs 8`` (or ``--num_envs``),
     ``--anneal-lr``/``--no-anneal-lr``, ``--target-kl None``."""
-    return parse_dataclass(Args, argv, __doc__.split("\n\n")[0])
+    return parse_dataclass(Args, argv, help_text(__doc__))
 
 
 # ---------------------------------------------------------------------- agent

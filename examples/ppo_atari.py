@@ -19,8 +19,8 @@ episode returns printed are the raw scores.
 - ``envpool``: ``envpool.make(..., env_type="gymnasium")`` with the same preprocessing
   (no episodic life, no reward clipping, no fire on reset, sticky actions 0.25).
 
-A comma-separated list runs each in turn with the same seed and ends with a
-``compare:`` line of their steps/s.
+A comma-separated list runs each in turn with the same seed; the last line
+compares their steps/s.
 
 Both shmvec and gymnasium's envs use ``AutoresetMode.SAME_STEP``: the observation
 that follows a done is the first of the next episode, and a truncated episode is
@@ -78,7 +78,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.optim as optim
-from dataclass_args import parse_dataclass
+from dataclass_args import help_text, parse_dataclass
 from gymnasium.vector import AutoresetMode
 from ppo_update import layer_init, ppo_update
 from torch.distributions.categorical import Categorical
@@ -167,7 +167,7 @@ class Args:
 def parse_args(argv: list[str] | None = None) -> Args:
     """``Args`` from the command line: ``--num-envs 8`` (or ``--num_envs``),
     ``--async-envs``/``--no-async-envs``, ``--target-kl None``."""
-    return parse_dataclass(Args, argv, __doc__.split("\n\n")[0])
+    return parse_dataclass(Args, argv, help_text(__doc__))
 
 
 def check_args(args: Args) -> list[str]:

@@ -81,3 +81,9 @@ def layer_init(layer: nn.Module, std: float = np.sqrt(2), bias_const: float = 0.
     torch.nn.init.orthogonal_(layer.weight, std)
     torch.nn.init.constant_(layer.bias, bias_const)
     return layer
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit("ppo_update.py is a module of ppo.py and ppo_atari.py: run one of those")

@@ -141,11 +141,25 @@ def run(name: str, envs, seconds: float) -> float:
 
 def main() -> None:
     global SERVICE_PID
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--num-envs", type=int, default=16)
-    parser.add_argument("--latency-ms", type=float, default=5.0)
-    parser.add_argument("--seconds", type=float, default=3.0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--num-envs", type=int, default=16, metavar="N",
+        help="envs, each with its own connection to the service (default: 16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--latency-ms", type=float, default=5.0, metavar="MS",
+        help="how long the service takes to answer each call (default: 5)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seconds", type=float, default=3.0, metavar="S",
+        help="timed window for each vector env (default: 3)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.num_envs < 1 or args.latency_ms <= 0 or args.seconds <= 0:
+        parser.error("--num-envs must be >= 1, --latency-ms and --seconds > 0")
 
     receive, send = multiprocessing.Pipe(duplex=False)
     service = multiprocessing.Process(

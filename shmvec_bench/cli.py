@@ -17,9 +17,11 @@ Ratios against ``sync`` and ``async`` use the rows of the same workload,
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
+import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from shmvec.spin import available_cpus
@@ -41,53 +43,127 @@ DEFAULT_WORKLOADS = ("cartpole", "cpu100us", "varstep", "noop", "largeobs", "pon
 HANDOFF = "handoff"
 
 
+#: ``--help``'s text above the options: what the command does, with examples.
+DESCRIPTION = """\
+Steps/s of shmvec's vector envs against gymnasium's SyncVectorEnv and
+AsyncVectorEnv (and SB3, EnvPool, PufferLib where installed), each measured in
+the same run on this machine. Writes OUT/results.csv and OUT/throughput.png and
+prints a markdown table with the machine it ran on.
+
+examples:
+  shmvec-bench --quick                        the headline comparison, ~25 s
+  shmvec-bench --workloads cartpole cpu100us --num-envs 8 32 128
+  shmvec-bench --workloads cpu100us --backends shmvec-async sync --policy-us 200
+  shmvec-bench --workloads handoff --device cuda      the GPU hand-off per step
+
+columns: "vs sync" and "vs async" divide by gymnasium's Sync and Async rows of
+the same workload and num_envs; "efficiency (of N x single)" is steps/s over
+N cores x the 'single' row (one env stepped in a plain loop, same run), shown
+for workloads whose step is CPU work."""
+
+
+def _summary(fn: Callable) -> str:
+    """The first sentence of ``fn``'s docstring, on one line, without RST quotes."""
+    text = " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split()).replace("``", "")
+    return text.split(". ")[0].rstrip(".")
+
+
+def _choices(title: str, names: Sequence[str], describe: Callable[[str], str]) -> str:
+    """``title:`` and one wrapped line per name, the descriptions in one column."""
+    indent = " " * (max(map(len, names)) + 4)
+    lines = [
+        textwrap.fill(describe(name), 79, initial_indent=f"  {name:<{len(indent) - 2}}",
+                      subsequent_indent=indent)
+        for name in names
+    ]  # fmt: skip
+    return f"{title}:\n" + "\n".join(lines)
+
+
+def epilog() -> str:
+    """``--help``'s text below the options: every workload and backend, one line each."""
+    workloads = _choices(
+        "workloads",
+        [*WORKLOADS, HANDOFF],
+        lambda w: _summary(WORKLOADS[w]) if w in WORKLOADS else HANDOFF_SUMMARY,
+    )
+    backends = _choices(
+        "backends",
+        BACKENDS,
+        lambda b: (
+            _summary(REGISTRY[b].open)
+            + (f" (needs {REGISTRY[b].requires})" if REGISTRY[b].requires else "")
+        ),
+    )
+    return f"{workloads}\n\n{backends}"
+
+
+#: ``--workloads handoff`` in the list of workloads.
+HANDOFF_SUMMARY = "not an env: the GPU hand-off of each step's results (torch; --device)"
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="shmvec-bench",
-        description="Steps/s of shmvec against gymnasium Sync/AsyncVectorEnv, SB3 and one env.",
+        description=DESCRIPTION,
+        epilog=epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--workloads", nargs="+", choices=[*WORKLOADS, HANDOFF], default=list(DEFAULT_WORKLOADS),
-        help=f"default: {' '.join(DEFAULT_WORKLOADS)}; '{HANDOFF}': the GPU hand-off per step",
+        metavar="NAME",
+        help=f"workloads to time, listed below (default: {' '.join(DEFAULT_WORKLOADS)})",
     )  # fmt: skip
     parser.add_argument(
-        "--backends", nargs="+", choices=BACKENDS, default=None,
-        help=f"default: {' '.join(DEFAULT_BACKENDS)} (with --quick: {' '.join(QUICK_BACKENDS)})",
+        "--backends", nargs="+", choices=BACKENDS, default=None, metavar="NAME",
+        help=f"vector envs to time, listed below (default: {' '.join(DEFAULT_BACKENDS)}; "
+        f"with --quick: {' '.join(QUICK_BACKENDS)}); those not installed are skipped",
     )  # fmt: skip
     parser.add_argument(
-        "--num-envs", nargs="+", type=int, default=[1, 4, 16, 64], help="a sweep of num_envs"
-    )
-    parser.add_argument(
-        "--num-workers", type=int, nargs="+", default=[None],
-        help="shmvec workers, a sweep (default: its own, min(num_envs, cores))",
+        "--num-envs", nargs="+", type=int, default=[1, 4, 16, 64], metavar="N",
+        help="a sweep of num_envs (default: 1 4 16 64)",
     )  # fmt: skip
     parser.add_argument(
-        "--batch-size", type=int, default=None,
-        help="async backends' batch (shmvec-async, envpool-async; default: num_envs // 2)",
+        "--num-workers", type=int, nargs="+", default=[None], metavar="N",
+        help="a sweep of shmvec's worker processes (default: its own, min(num_envs, cores))",
     )  # fmt: skip
     parser.add_argument(
-        "--policy-us", type=float, nargs="+", default=[0.0],
+        "--batch-size", type=int, default=None, metavar="N",
+        help="the async backends' batch (shmvec-async, envpool-async; default: num_envs // 2)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policy-us", type=float, nargs="+", default=[0.0], metavar="US",
         help="the main process waits this long per batch received, standing in for the "
         "policy (a sweep; adds the rows without it and a 'policy' row: the policy alone)",
     )  # fmt: skip
-    parser.add_argument("--seconds", type=float, default=1.0, help="timed window per measurement")
-    parser.add_argument("--warmup", type=float, default=0.25, help="warm-up seconds before it")
+    parser.add_argument(
+        "--seconds", type=float, default=1.0, metavar="S",
+        help="timed window per measurement (default: 1.0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--warmup", type=float, default=0.25, metavar="S",
+        help="warm-up before each timed window (default: 0.25)",
+    )  # fmt: skip
     parser.add_argument(
         "--quick", action="store_true",
-        help="CartPole 32 envs, cpu100us 8 envs, noop 1 env against sync and async, in "
-        "about 20 s; replaces --workloads and --num-envs",
+        help="the headline comparison: cartpole 32 envs, cpu100us 8 envs, noop 1 env against "
+        "sync and async (~25 s); replaces --workloads and --num-envs",
     )  # fmt: skip
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-results"), metavar="DIR",
+        help="output folder (default: bench-results)",
+    )  # fmt: skip
     parser.add_argument(
         "--context", choices=["fork", "spawn", "forkserver"], default=None,
         help="multiprocessing start method for shmvec, async and sb3 (default: Python's)",
     )  # fmt: skip
     parser.add_argument(
-        "--cores", type=int, default=None, help="cores for parallel efficiency (default: usable)"
-    )
+        "--cores", type=int, default=None, metavar="N",
+        help="cores for the efficiency column (default: the CPUs this process may use)",
+    )  # fmt: skip
     parser.add_argument(
-        "--timeout", type=float, default=120.0,
-        help="give up on one measurement after this many seconds (a hang is reported, not waited)",
+        "--timeout", type=float, default=120.0, metavar="S",
+        help="give up on one measurement after this many seconds and report it as hung "
+        "(default: 120)",
     )  # fmt: skip
     parser.add_argument(
         "--device", default=None,

@@ -102,12 +102,12 @@ def make_cpu100us() -> gym.Env:
 
 
 def make_noop() -> gym.Env:
-    """A ``NoopEnv``: Box(1,) observations, a step that does nothing."""
+    """A step that does nothing, Box(1,) observations (a ``NoopEnv``): the round trip."""
     return NoopEnv()
 
 
 def make_largeobs() -> gym.Env:
-    """A ``LargeObsEnv``: 1 MiB uint8 observations, a step that does nothing else."""
+    """1 MiB uint8 observations, a step that does nothing else (a ``LargeObsEnv``)."""
     return LargeObsEnv()
 
 
@@ -125,13 +125,13 @@ class VariableStep(gym.Wrapper):
 
 
 def make_varstep() -> gym.Env:
-    """A ``VariableStep`` CartPole-v1."""
+    """CartPole-v1 whose every step burns 9.5 to 190 us of CPU, drawn anew (a ``VariableStep``)."""
     return VariableStep(gym.make("CartPole-v1"))
 
 
 def make_pong() -> gym.Env:
-    """ALE Pong with gymnasium's Atari preprocessing (84x84 gray, frame skip 4) and
-    a stack of 4 frames: what Atari PPO steps. Needs ``shmvec[atari]``."""
+    """ALE Pong with gymnasium's Atari preprocessing (84x84 gray, frame skip 4) and 4
+    stacked frames, what Atari PPO steps (needs ``shmvec[atari]``)."""
     import ale_py
     import cv2
     from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
@@ -184,8 +184,9 @@ PONG_OBS_SHAPE = (4, 84, 84)
 
 
 def make_pongsize() -> gym.Env:
-    """A do-nothing env with Pong-sized observations (4 x 84 x 84 uint8, 6 actions):
-    the hand-off's stand-in for Pong when ale-py is not installed."""
+    """Pong-sized observations (4 x 84 x 84 uint8, 6 actions), a step that does nothing.
+
+    The hand-off's stand-in for Pong when ale-py is not installed."""
     env = LargeObsEnv(PONG_OBS_SHAPE)
     env.action_space = gym.spaces.Discrete(6)
     return env

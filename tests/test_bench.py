@@ -282,3 +282,25 @@ def test_bar_plot_labels_every_bar_relative_to_sync(tmp_path):
         plt.close(fig)
     assert report.write_plot(rows, tmp_path / "bars.png", cores=2)
     assert (tmp_path / "bars.png").stat().st_size > 0
+
+
+def test_help_describes_every_workload_and_backend(capsys):
+    from shmvec_bench.cli import HANDOFF, parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    usage = out[: out.index("\n\n")]
+    assert "cartpole" not in usage and "--workloads NAME" in usage  # no choice lists in usage
+    assert "shmvec-bench --quick" in out  # the examples
+    listed = {
+        line.split()[0]: line
+        for line in out[out.index("\nworkloads:\n") :].splitlines()
+        if line.startswith("  ") and not line.startswith("   ")
+    }
+    for name in [*WORKLOADS, HANDOFF, *backends.BACKENDS]:
+        assert name in listed, f"{name} missing from --help"
+        assert len(listed[name].split()) > 2, f"{name} has no description"
+    assert "pipes and pickles (needs stable_baselines3)" in " ".join(out.split())
+    assert max(map(len, out.splitlines())) <= 100

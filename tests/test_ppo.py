@@ -66,3 +66,23 @@ def test_parse_args(ppo):
 
     docs = field_docs(ppo.Args)
     assert set(docs) == {f.name for f in dataclasses.fields(ppo.Args)}  # a docstring per field
+    assert ppo.parse_args(["--no-anneal_lr", "--num_envs=6"]) == ppo.Args(
+        anneal_lr=False, num_envs=6
+    )
+
+
+def test_help_lists_each_option_once_with_its_docstring_and_default(ppo, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ppo.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    # The script's docstring, with its example command, before the options.
+    assert out.index("python examples/ppo.py --env-id") < out.index("options:")
+    assert "``" not in out
+    # Only the dashed spelling is listed (the underscored one is accepted all the same).
+    assert "--num-envs INT" in out and "--num_envs" not in out
+    flat = " ".join(out.split())
+    assert "--num-envs INT the number of parallel environments (default: 8)" in flat
+    assert "training (default: True)" in flat  # --anneal-lr, a boolean
+    # A None default is said by the docstring, not repeated.
+    assert "(None: never) (default" not in flat
