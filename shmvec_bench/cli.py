@@ -1,7 +1,7 @@
 """``shmvec-bench``: steps/s of shmvec against its peers, as a table, a CSV and a plot.
 
-Run ``shmvec-bench --quick`` (or ``python -m shmvec_bench``) for the README's
-headline figures in well under a minute: CartPole-v1 with 32 envs, a 100 us
+Run ``shmvec-bench --quick`` (or ``python -m shmvec_bench``) for the headline
+comparison in well under a minute: CartPole-v1 with 32 envs, a 100 us
 CPU-bound step with 8 envs and a no-op env's round trip, each against
 gymnasium's ``SyncVectorEnv`` and ``AsyncVectorEnv`` measured in the same run.
 Without ``--quick`` it sweeps ``--workloads`` x ``--backends`` x
@@ -10,8 +10,11 @@ times the GPU hand-off instead (``shmvec_bench.handoff``).
 
 Ratios against ``sync`` and ``async`` use the rows of the same workload,
 ``num_envs`` and policy wait from the same run; parallel efficiency is
-``steps/s / (cores * single-env steps/s)``. Results go to ``--out``
-(``results.csv`` and ``throughput.png``) and a markdown table is printed.
+``steps/s / (cores * single-env steps/s)``, for CPU-bound workloads only
+(``workloads.CPU_BOUND``). Results go to ``--out``: ``results.csv`` and
+``throughput.png`` (grouped bars relative to ``sync`` when each workload has one
+row per backend, as with ``--quick``; steps/s against num_envs for a sweep), and
+a markdown table is printed.
 """
 
 from __future__ import annotations
