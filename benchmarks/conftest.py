@@ -5,8 +5,9 @@ batched steps per round with ``benchmark.pedantic`` and records steps/s in the
 benchmark's ``extra_info``. After every test, each shmvec row of the test's
 group gets its ratio against every peer of that group measured so far
 (``extra_info["vs_<peer>"]``, plus ``parallel_efficiency`` when the group has a
-``single`` row), so the ratios land in ``--benchmark-json`` output; the terminal
-summary prints them. Nothing here asserts a timing target.
+``single`` row and a CPU-bound workload, ``shmvec_bench.workloads.CPU_BOUND``), so
+the ratios land in ``--benchmark-json`` output; the terminal summary prints them.
+Nothing here asserts a timing target.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 from shmvec.spin import available_cpus
 from shmvec_bench.backends import opened
+from shmvec_bench.workloads import CPU_BOUND
 
 
 @dataclass
@@ -65,7 +67,7 @@ def update_ratios(results: list[Throughput], group: str, cores: int) -> None:
         for peer in rows:
             if not is_shmvec(peer.backend) and peer.backend != "single":
                 row.extra_info[f"vs_{peer.backend}"] = round(row.steps_per_s / peer.steps_per_s, 3)
-        if single is not None:
+        if single is not None and row.workload in CPU_BOUND:  # as shmvec-bench's table
             efficiency = row.steps_per_s / (cores * single.steps_per_s)
             row.extra_info["parallel_efficiency"] = round(efficiency, 3)
             row.extra_info["cores"] = cores
