@@ -86,7 +86,7 @@ BACKEND_COLORS = {
     "async-nocopy": "#d9d9d9",
 }
 #: Bar plots: a bound higher than this times the tallest bar is drawn at that height.
-BOUND_CEILING = 1.6
+BOUND_CEILING = 2.0
 _OTHER_COLORS = ("#e6862d", "#3c9b4a", "#b8413d", "#8b62b8", "#8c564b", "#d17fbf")
 
 
