@@ -230,10 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = machine_summary(cores, load_before)
     plotted = write_plot(measurements, args.out / "throughput.png", cores, title=summary)
     print(summary)
-    print(
-        f"efficiency (of {cores} x single) = steps/s / ({cores} cores x the 'single' row's "
-        "steps/s: one env stepped in this process, same run); CPU-bound workloads only"
-    )
+    if any(m.efficiency is not None for m in measurements):
+        print(
+            f"efficiency (of {cores} x single) = steps/s / ({cores} cores x the 'single' row's "
+            "steps/s: one env stepped in this process, same run); CPU-bound workloads only"
+        )
     if any(args.policy_us):
         print(
             "vs min(envs, policy) = steps/s / min(the same row without the policy, "
