@@ -42,8 +42,10 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = {(r["workload"], int(r["num_envs"]), r["backend"]): float(r["steps_per_s"])
-            for r in csv.DictReader(args.data.open())}
+    rows = {
+        (r["workload"], int(r["num_envs"]), r["backend"]): float(r["steps_per_s"])
+        for r in csv.DictReader(args.data.open())
+    }
     fig, ax = plt.subplots(figsize=(10, 4.2), dpi=120)
     width = 0.8 / len(BACKENDS)
     for b, ((backend, label), color) in enumerate(zip(BACKENDS, COLORS)):
@@ -55,8 +57,7 @@ def main() -> None:
                 xs.append(c - 0.4 + width * (b + 0.5))
                 ratios.append(value / sync)
         bars = ax.bar(xs, ratios, width, label=label, color=color)
-        ax.bar_label(bars, [f"{r:.2f}x" for r in ratios],
-                     fontsize=6.5, padding=1)
+        ax.bar_label(bars, [f"{r:.2f}x" for r in ratios], fontsize=6.5, padding=1)
     ax.axhline(1.0, color="#868e96", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(CASES)), [label for _, _, label in CASES])
     ax.set_ylabel("steps/s relative to gymnasium Sync")
