@@ -3,11 +3,13 @@
 Docs pages: every fenced block marked ``pycon`` in README.md and docs/**/*.md is a doctest;
 the blocks of one page share their names, in page order. Docstrings: the ``>>>`` examples of
 the public modules, through ``doctest.DocTestFinder``. torch, Stable-Baselines3 and Ray
-examples run where those are installed.
+examples run where those are installed. The README's quickstart runs as it is, and every
+name a public module exports has an entry in the API reference.
 """
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import re
@@ -44,6 +46,17 @@ def _run(test: doctest.DocTest) -> None:
     runner.run(test, out=output.append)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, "".join(output)
+
+
+def test_readme_quickstart_runs() -> None:
+    # The README's first code block is what a new user copies first.
+    text = (ROOT / "README.md").read_text()
+    quickstart = text[text.index("## Quickstart") :]
+    block = re.search(r"^```python\n(.*?)^```", quickstart, re.M | re.S)
+    namespace: dict = {}
+    exec(compile(block.group(1), "README.md", "exec"), namespace)
+    assert namespace["obs"].shape == (32, 4)
+    assert namespace["envs"].closed
 
 
 def _pages_with_examples() -> list[Path]:
@@ -87,3 +100,37 @@ def test_docstring_examples(module_name: str, needs: str | None) -> None:
     assert tests, f"{module_name} has no examples (remove it from MODULES)"
     for test in tests:
         _run(test)
+
+
+#: Modules whose ``__all__`` the API reference must cover, and their reference pages.
+REFERENCE = {"shmvec": "shmvec.md", "shmvec.sb3": "sb3.md", "shmvec.ray": "ray.md"}
+AUTODOC = re.compile(r"^\.\. auto(?:class|function|exception):: ([\w.]+)", re.M)
+
+
+def _exported(module_name: str) -> list[str]:
+    """``__all__`` of a module, read without importing it (its extras may be missing)."""
+    path = ROOT / (
+        module_name.replace(".", "/") + ("/__init__.py" if "." not in module_name else ".py")
+    )
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{path} has no __all__")
+
+
+def test_api_reference_covers_public_names() -> None:
+    documented = {
+        name
+        for page in (ROOT / "docs" / "api").glob("*.md")
+        for name in AUTODOC.findall(page.read_text())
+    }
+    missing = [
+        f"{module}.{name}"
+        for module in REFERENCE
+        for name in _exported(module)
+        if f"{module}.{name}" not in documented
+    ]
+    assert "shmvec.torch.TorchVectorEnv" in documented
+    assert not missing, f"no API reference entry for {missing}"
