@@ -256,7 +256,7 @@ class ShmVectorEnv(VectorEnvBase):
             else self._pin_workers_arg
         )
         engine = build_engine(
-            _worker_spec(self, spin.worker_ns), self.env_fns, self._env_blocks,
+            _worker_spec(self, spin.worker.core_ns()), self.env_fns, self._env_blocks,
             self._obs_codec, self._stats, spin,
             copy=self._copy, context=self.context, daemon=self.daemon,
             step_in_main=self.step_in_main, in_process=self.in_process,
