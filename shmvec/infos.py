@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from shmvec import _worker_loop
-
 #: Columns per env. Atari needs 3; an info with a new key beyond this many
 #: is pickled instead.
 INFO_COLUMNS = 8
@@ -96,8 +94,12 @@ def merge_uniform(
     first = schemas[0]
     if not all(schema == first for schema in schemas):
         return merge_columns({}, gather(schemas, groups, codes, cells, rows), rows)
+    # _worker_loop imports this module's constants, so it is imported here, once
+    # both are loaded, whichever was imported first.
+    from shmvec._worker_loop import uniform_codes
+
     infos: dict = {}
-    uniform = _worker_loop.uniform_codes(codes, list(first.values()), rows)
+    uniform = uniform_codes(codes, list(first.values()), rows)
     for (key, col), code in zip(first.items(), uniform):
         if code:
             infos[key] = cells[:rows, col].view(_CELL_VIEWS[code]).astype(_BATCH_DTYPES[code])

@@ -19,8 +19,8 @@ import pytest
 import shmvec
 from shmvec.spin import (
     MANY_CORES_SPIN_CAP_NS,
-    SHARED_SPIN_NS,
     NO_SPIN,
+    SHARED_SPIN_NS,
     SPIN_CAP_NS,
     Spin,
     SpinPolicy,
