@@ -1,0 +1,95 @@
+"""The package's public face: every constructor option documented, the version
+from any directory, the typing markers shipped."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+import types
+from enum import Enum
+from pathlib import Path
+
+import pytest
+
+import shmvec
+from shmvec import __main__ as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+#: One entry of a Google-style "Args:" section: ``name (type, default value): ...``.
+ARG_ENTRY = re.compile(r"^ {8}(\w+) \((.+?)(?:, default (.+?))?\): ", re.S | re.M)
+
+
+def _args_section(doc: str) -> dict[str, tuple[str, str | None]]:
+    """``{name: (type, default)}`` of a docstring's "Args:" section."""
+    section = doc.split("Args:", 1)[1]
+    section = re.split(r"\n {4}\S", section, maxsplit=1)[0]  # up to the next section
+    # An entry may wrap inside its parentheses: join each entry's lines first.
+    entries = re.split(r"\n(?= {8}\w+ \()", section)
+    found = {}
+    for entry in entries:
+        flat = " ".join(line.strip() for line in entry.splitlines())
+        match = ARG_ENTRY.match(" " * 8 + flat)
+        if match:
+            found[match[1]] = (match[2], match[3])
+    return found
+
+
+def _written(default: object) -> str:
+    if isinstance(default, Enum):
+        return f"{type(default).__name__}.{default.name}"
+    return '"' + default + '"' if isinstance(default, str) else repr(default)
+
+
+def test_every_constructor_option_is_in_the_docstring_table():
+    documented = _args_section(shmvec.ShmVectorEnv.__doc__ or "")
+    parameters = inspect.signature(shmvec.ShmVectorEnv.__init__).parameters
+    options = [p for name, p in parameters.items() if name != "self"]
+    missing = [p.name for p in options if p.name not in documented]
+    assert not missing, f"options missing from ShmVectorEnv's docstring: {missing}"
+    assert list(documented) == [p.name for p in options], "documented in signature order"
+    for p in options:
+        type_text, default_text = documented[p.name]
+        assert type_text == p.annotation, f"{p.name}: documented as {type_text}"
+        if p.default is inspect.Parameter.empty:
+            assert default_text is None, f"{p.name} has no default"
+        else:
+            assert default_text == _written(p.default), f"{p.name}: default {p.default!r}"
+
+
+def test_the_table_parser_sees_a_missing_option():
+    doc = shmvec.ShmVectorEnv.__doc__ or ""
+    without = re.sub(r"\n {8}ring_depth \(.*?\n", "\n", doc)
+    assert "ring_depth" in _args_section(doc) and "ring_depth" not in _args_section(without)
+
+
+def test_version_from_any_directory(tmp_path):
+    # A folder named shmvec in the working directory (as in the folder holding a
+    # clone) must not hide the version.
+    (tmp_path / "shmvec").mkdir()
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    for cwd in (tmp_path, ROOT.parent, ROOT):
+        out = subprocess.run(
+            [sys.executable, "-m", "shmvec", "--version"],
+            cwd=cwd, env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert out.stdout.strip() == f"shmvec {shmvec.__version__}", cwd
+
+
+def test_version_when_shmvec_is_a_namespace_package(monkeypatch, capsys):
+    # What `import shmvec` gives from the folder that holds a clone named shmvec.
+    monkeypatch.setitem(sys.modules, "shmvec", types.ModuleType("shmvec"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"shmvec {shmvec.__version__}"
+
+
+def test_typing_markers_ship():
+    assert (ROOT / "shmvec" / "py.typed").exists()
+    assert (ROOT / "shmvec" / "_core.pyi").exists()
+    manifest = (ROOT / "MANIFEST.in").read_text()
+    assert "shmvec/py.typed" in manifest and "shmvec/*.pyi" in manifest
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'shmvec = \[[^\]]*"py\.typed"[^\]]*"\*\.pyi"', pyproject)
