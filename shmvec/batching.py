@@ -148,7 +148,7 @@ def _per_env(values: list, n: int, g: int, message: Callable[[str], str]) -> lis
 class _Rows:
     """``VectorEnv._add_info`` over a batch of ``num_envs`` rows."""
 
-    _add_info = VectorEnv._add_info
+    _add_info: Any = VectorEnv._add_info
 
     def __init__(self, num_envs: int) -> None:
         self.num_envs = num_envs
@@ -183,7 +183,7 @@ def unbatch_info(infos: dict, row: int, masked_only: bool = True) -> dict:
     without one to none (``masked_only``) or to every row. Nested dicts
     (``"episode"``, ``"final_info"``) are unbatched recursively.
     """
-    info = {}
+    info: dict[str, Any] = {}
     for key, value in infos.items():
         mask = infos.get(f"_{key}")
         if mask is None:
@@ -361,7 +361,7 @@ class VectorEnvBase(VectorEnv):
         return recv_whole_batch(self, pending, timeout)
 
     @property
-    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]  # one per env
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override, misc]
         """The sub-envs' ``np_random_seed``, as AsyncVectorEnv's."""
         return self.get_attr("np_random_seed")
 

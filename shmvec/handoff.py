@@ -43,7 +43,7 @@ class ResultHandoff:
         # What a bridge pins: the segment up to the lease regions, which a
         # bridge does not use (it reads ring slots with copy=False).
         self.region: tuple[int, int] = (pool.segment.address, pool.layout.ring_end)
-        self.num_slots = len(pool.slots)
+        self.num_slots: int = len(pool.slots)
 
     @property
     def last_slot(self) -> int:

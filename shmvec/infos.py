@@ -38,8 +38,8 @@ CODES: dict[type, int] = {t: i + 1 for i, t in enumerate(SCALAR_TYPES)}
 
 # Per code: the dtype _add_info batches the value into (np.zeros(n, dtype=type(v)))
 # and the view of the 8-byte cell that holds it losslessly.
-_BATCH_DTYPES = [None] + [np.dtype(t) for t in SCALAR_TYPES]
-_CELL_VIEWS = [None] + [
+_BATCH_DTYPES: list[Any] = [None] + [np.dtype(t) for t in SCALAR_TYPES]
+_CELL_VIEWS: list[Any] = [None] + [
     np.dtype(np.float64) if d.kind == "f" else np.dtype(np.uint64) if d.kind == "u"
     else np.dtype(np.int64)
     for d in _BATCH_DTYPES[1:]

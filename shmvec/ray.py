@@ -428,9 +428,9 @@ class RayVectorEnv(VectorEnvBase):
     def _span(self, k: int) -> tuple[int, int]:
         return self.actor_env_ids[k].start, self.actor_env_ids[k].stop
 
-    def _assert_idle(self, name: str) -> None:
+    def _assert_idle(self, name: str, end: str = ".") -> None:
         self._assert_is_running()
-        super()._assert_idle(name)
+        super()._assert_idle(name, end)
         if self._group.stale:  # late results of a timed-out wait: drop them
             ray.wait(self._group.stale, num_returns=len(self._group.stale))
             self._group.stale = []
