@@ -360,12 +360,14 @@ class VectorEnvBase(VectorEnv):
         pending, self._sync_reset_pending = self._sync_reset_pending, False
         return recv_whole_batch(self, pending, timeout)
 
+    # VectorEnv's own are one seed and one generator; AsyncVectorEnv's, as these,
+    # one per env (read-only).
     @property
-    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override, misc]
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
         """The sub-envs' ``np_random_seed``, as AsyncVectorEnv's."""
         return self.get_attr("np_random_seed")
 
-    @property
+    @property  # type: ignore[misc]
     def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
         """Copies of the sub-envs' random generators, as AsyncVectorEnv's."""
         return self.get_attr("np_random")
