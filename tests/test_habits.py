@@ -77,6 +77,45 @@ def test_version_from_any_directory(tmp_path):
         assert out.stdout.strip() == f"shmvec {shmvec.__version__}", cwd
 
 
+#: ``python -m shmvec --version`` where ``import shmvec`` finds a folder named shmvec
+#: (a namespace package) and ``shmvec.__main__`` comes from an editable install's
+#: finder, as from the folder that holds a clone named shmvec.
+EDITABLE_FROM_PARENT = """
+import importlib.util, runpy, sys
+from pathlib import Path
+
+CHECKOUT = sys.argv[1]
+
+class EditableFinder:  # as setuptools' editable finder: shmvec.* from the checkout
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        if fullname.split(".")[0] != "shmvec":
+            return None
+        base = Path(CHECKOUT, *fullname.split("."))
+        if (base / "__init__.py").exists():
+            return importlib.util.spec_from_file_location(
+                fullname, base / "__init__.py", submodule_search_locations=[str(base)]
+            )
+        if base.with_suffix(".py").exists():
+            return importlib.util.spec_from_file_location(fullname, base.with_suffix(".py"))
+        return None
+
+sys.meta_path.append(EditableFinder)
+sys.argv = ["shmvec", "--version"]
+runpy.run_module("shmvec", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_version_from_the_folder_holding_a_clone(tmp_path):
+    (tmp_path / "shmvec").mkdir()  # the clone, seen from its parent: no __init__.py
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", EDITABLE_FROM_PARENT, str(ROOT)],  # -S: no other finder
+        cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"shmvec {shmvec.__version__}"
+
+
 def test_version_when_shmvec_is_a_namespace_package(monkeypatch, capsys):
     # What `import shmvec` gives from the folder that holds a clone named shmvec.
     monkeypatch.setitem(sys.modules, "shmvec", types.ModuleType("shmvec"))
