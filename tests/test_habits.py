@@ -3,6 +3,7 @@ from any directory, the typing markers shipped."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import subprocess
@@ -132,3 +133,37 @@ def test_typing_markers_ship():
     assert "shmvec/py.typed" in manifest and "shmvec/*.pyi" in manifest
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'shmvec = \[[^\]]*"py\.typed"[^\]]*"\*\.pyi"', pyproject)
+
+
+def _stub_names(path: Path) -> dict[str, set[str]]:
+    """``{name: members}`` of a stub's top-level classes, functions (no members)."""
+    names: dict[str, set[str]] = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            members = set()
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    members.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    members.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    members.update(t.id for t in item.targets if isinstance(t, ast.Name))
+            names[node.name] = members
+        elif isinstance(node, ast.FunctionDef):
+            names[node.name] = set()
+    return names
+
+
+def test_core_stub_names_every_public_name_of_the_module():
+    from shmvec import _core
+
+    stub = _stub_names(ROOT / "shmvec" / "_core.pyi")
+    public = {name for name in dir(_core) if not name.startswith("_")}
+    assert set(stub) == public
+    for name, members in stub.items():
+        cls = getattr(_core, name)
+        if not isinstance(cls, type):
+            continue
+        # A pybind11 enum: its members (its name/value properties are the Enum's own).
+        own = set(getattr(cls, "__members__", {})) or {m for m in vars(cls) if m[0] != "_"}
+        assert own == members - {"__init__", "__buffer__"}, f"{name}: {sorted(own ^ members)}"
