@@ -1,11 +1,13 @@
 """ShmVectorEnv: gymnasium's AsyncVectorEnv, over one shared-memory segment.
 
 This class is the gymnasium face: its state machine (``reset_async`` /
-``reset_wait``, ``step_async`` / ``step_wait``, ``call`` ...), the async API
-(``async_reset`` / ``send`` / ``recv``) and every argument check. The engine
-parts it composes live in shmvec/engine/ (workers, rounds, supervision, the
-async ring, result decoding, stats); what crosses process boundaries is in
-shmvec/protocol.py.
+``reset_wait``, ``step_async`` / ``step_wait``, ``call`` ...) and the async API
+(``async_reset`` / ``send`` / ``recv``, whose sync-mode case is
+``VectorEnvBase``'s). Its arguments are checked in shmvec/options.py, actions
+written by shmvec/actions.py, and a device bridge reaches the ring through
+shmvec/handoff.py. The engine parts it composes live in shmvec/engine/
+(workers, rounds, supervision, the async ring, result decoding, stats); what
+crosses process boundaries is in shmvec/protocol.py.
 
 Example:
     >>> import gymnasium as gym
