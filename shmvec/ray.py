@@ -106,7 +106,8 @@ class RayVectorEnv(VectorEnvBase):
         autoreset_mode: an ``AutoresetMode`` or its string value, shared by all actors.
         batch_size: with ``batch_size < num_envs``, the async mode: ``recv()`` returns
             the first ``batch_size // envs_per_actor`` actor batches that are ready.
-            It must be a multiple of the (then equal) block size.
+            It must be a multiple of the (then equal) block size; ``send`` and
+            ``async_reset`` then name whole blocks of idle actors, in any order.
         group_size: envs ``g*k .. g*k+g-1`` share seed ``s + k`` across actors, as in
             ``ShmVectorEnv``.
         on_actor_death: ``"raise"``: a dead actor is an ``ActorDiedError`` naming it and
