@@ -148,7 +148,7 @@ def _per_env(values: list, n: int, g: int, message: Callable[[str], str]) -> lis
 class _Rows:
     """``VectorEnv._add_info`` over a batch of ``num_envs`` rows."""
 
-    _add_info = VectorEnv._add_info
+    _add_info: Any = VectorEnv._add_info
 
     def __init__(self, num_envs: int) -> None:
         self.num_envs = num_envs
@@ -183,7 +183,7 @@ def unbatch_info(infos: dict, row: int, masked_only: bool = True) -> dict:
     without one to none (``masked_only``) or to every row. Nested dicts
     (``"episode"``, ``"final_info"``) are unbatched recursively.
     """
-    info = {}
+    info: dict[str, Any] = {}
     for key, value in infos.items():
         mask = infos.get(f"_{key}")
         if mask is None:
@@ -243,15 +243,58 @@ def recv_whole_batch(env: Any, reset_pending: bool, timeout: float | None) -> tu
     return result
 
 
+#: What async mode uses instead of a sync-mode call.
+_ASYNC_INSTEAD = {
+    "reset_async": "reset with async_reset()",
+    "step_async": "step with send(actions, env_ids)",
+}
+
+
 class VectorEnvBase(VectorEnv):
     """What ShmVectorEnv and RayVectorEnv share of gymnasium's ``VectorEnv`` face:
-    ``reset`` over the async state machine, seed and option expansion, the
-    state checks with gymnasium's errors, and the context manager.
+    ``reset`` over the async state machine, the EnvPool-style API
+    (``async_reset``/``send``/``recv``) and its sync-mode case, seed and option
+    expansion, the state checks with gymnasium's errors, and the context manager.
 
-    Subclasses set ``num_envs``, ``group_size``, ``is_async``, ``closed`` and
-    ``_state`` (a gymnasium ``AsyncState``), and implement ``reset_async``,
-    ``reset_wait``, ``async_reset``, ``recv`` and ``call``.
+    Subclasses set the attributes below and implement the methods that raise
+    ``NotImplementedError`` here.
     """
+
+    batch_size: int
+    group_size: int
+    is_async: bool  # batch_size < num_envs
+    closed: bool
+    _state: AsyncState
+    _sync_reset_pending: bool  # async_reset() in sync mode: the next recv() is reset_wait()
+
+    def reset_async(
+        self, seed: Seeds = None, options: Options = None, reset_mask: np.ndarray | None = None
+    ) -> None:
+        raise NotImplementedError
+
+    def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
+        raise NotImplementedError
+
+    def step_async(self, actions: Any) -> None:
+        raise NotImplementedError
+
+    def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        raise NotImplementedError
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def _async_reset(self, seed: Seeds, options: Options, env_ids: Any) -> None:
+        """``async_reset`` in async mode."""
+        raise NotImplementedError
+
+    def _send(self, actions: Any, env_ids: Any) -> None:
+        """``send`` in async mode."""
+        raise NotImplementedError
+
+    def _recv(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """``recv`` in async mode."""
+        raise NotImplementedError
 
     def reset(
         self,
@@ -273,6 +316,61 @@ class VectorEnvBase(VectorEnv):
             return obs, infos
         self.reset_async(seed=seed, options=options, reset_mask=reset_mask)
         return self.reset_wait()
+
+    def async_reset(self, seed: Seeds = None, options: Options = None, env_ids: Any = None) -> None:
+        """Resets envs without waiting; ``recv()`` returns the results.
+
+        ``seed`` and ``options`` are expanded over all envs as in ``reset``
+        (groups included), then env ``e`` gets entry ``e``. ``env_ids`` (default:
+        all; only all with ``batch_size == num_envs``) names the envs to reset;
+        they must be idle: ``recv()`` their results first.
+        """
+        self._assert_is_running()
+        if self.is_async:
+            self._async_reset(seed, options, env_ids)
+            return
+        if env_ids is not None:
+            raise ValueError("env_ids in async_reset needs batch_size < num_envs")
+        self.reset_async(seed=seed, options=options)
+        self._sync_reset_pending = True
+
+    def send(self, actions: Any, env_ids: Any = None) -> None:
+        """Hands ``actions[i]`` to env ``env_ids[i]`` and returns at once.
+
+        ``env_ids`` defaults to the envs of the last ``recv()``. Each env must be
+        awaiting an action (its last result was received). With ``batch_size ==
+        num_envs``, ``env_ids`` must name every env (in any order).
+        """
+        self._assert_is_running()
+        if self.is_async:
+            self._send(actions, env_ids)
+            return
+        self.step_async(in_env_order(self.single_action_space, actions, env_ids, self.num_envs))
+
+    def recv(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """The next ``batch_size`` results: ``(obs, rewards, terminations,
+        truncations, infos)`` with ``infos["env_id"]``, the env of each row.
+
+        With ``batch_size == num_envs`` that is the pending reset (zero rewards)
+        or step of every env.
+        """
+        self._assert_is_running()
+        if self.is_async:
+            return self._recv(timeout)
+        pending, self._sync_reset_pending = self._sync_reset_pending, False
+        return recv_whole_batch(self, pending, timeout)
+
+    # VectorEnv's own are one seed and one generator; AsyncVectorEnv's, as these,
+    # one per env (read-only).
+    @property
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
+        """The sub-envs' ``np_random_seed``, as AsyncVectorEnv's."""
+        return self.get_attr("np_random_seed")
+
+    @property  # type: ignore[misc]
+    def np_random(self) -> tuple[np.random.Generator, ...]:  # type: ignore[override]
+        """Copies of the sub-envs' random generators, as AsyncVectorEnv's."""
+        return self.get_attr("np_random")
 
     def get_attr(self, name: str) -> tuple[Any, ...]:
         """The attribute ``name`` of every env (callables are called, as in gymnasium)."""
@@ -318,6 +416,12 @@ class VectorEnvBase(VectorEnv):
                 f"`{self._state.value}` to complete{end}",
                 str(self._state.value),
             )
+
+    def _assert_sync(self, name: str) -> None:
+        """A RuntimeError if ``name`` (``reset_async``/``step_async``) needs sync mode."""
+        if self.is_async:
+            instead = _ASYNC_INSTEAD[name]
+            raise RuntimeError(f"with batch_size < num_envs, {instead} and read with recv()")
 
     def _assert_waiting(self, state: AsyncState, name: str, sender: str) -> None:
         self._assert_is_running()

@@ -21,8 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from shmvec import _worker_loop
-
 #: Columns per env. Atari needs 3; an info with a new key beyond this many
 #: is pickled instead.
 INFO_COLUMNS = 8
@@ -40,8 +38,8 @@ CODES: dict[type, int] = {t: i + 1 for i, t in enumerate(SCALAR_TYPES)}
 
 # Per code: the dtype _add_info batches the value into (np.zeros(n, dtype=type(v)))
 # and the view of the 8-byte cell that holds it losslessly.
-_BATCH_DTYPES = [None] + [np.dtype(t) for t in SCALAR_TYPES]
-_CELL_VIEWS = [None] + [
+_BATCH_DTYPES: list[Any] = [None] + [np.dtype(t) for t in SCALAR_TYPES]
+_CELL_VIEWS: list[Any] = [None] + [
     np.dtype(np.float64) if d.kind == "f" else np.dtype(np.uint64) if d.kind == "u"
     else np.dtype(np.int64)
     for d in _BATCH_DTYPES[1:]
@@ -96,8 +94,12 @@ def merge_uniform(
     first = schemas[0]
     if not all(schema == first for schema in schemas):
         return merge_columns({}, gather(schemas, groups, codes, cells, rows), rows)
+    # _worker_loop imports this module's constants, so it is imported here, once
+    # both are loaded, whichever was imported first.
+    from shmvec._worker_loop import uniform_codes
+
     infos: dict = {}
-    uniform = _worker_loop.uniform_codes(codes, list(first.values()), rows)
+    uniform = uniform_codes(codes, list(first.values()), rows)
     for (key, col), code in zip(first.items(), uniform):
         if code:
             infos[key] = cells[:rows, col].view(_CELL_VIEWS[code]).astype(_BATCH_DTYPES[code])

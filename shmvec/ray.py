@@ -35,7 +35,6 @@ Methods of ``RayVectorEnv`` may be called from one thread at a time (the driver'
 
 from __future__ import annotations
 
-import functools
 import logging
 import multiprocessing
 import time
@@ -44,7 +43,6 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium import spaces
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_space
 from gymnasium.vector.vector_env import ArrayType, AutoresetMode
@@ -61,20 +59,22 @@ from shmvec.batching import (
     Options,
     Seeds,
     VectorEnvBase,
-    batch_infos,
     check_env_ids,
     check_reset_mask,
     check_rows,
     expand_options,
-    in_env_order,
-    recv_whole_batch,
-    rows_with_info,
     split_blocks,
     take_reset_mask,
     take_rows,
-    unbatch_info,
 )
 from shmvec.ray_actors import ACTOR_RESTARTED, ActorDiedError, ActorGroup, EnvActor
+from shmvec.ray_blocks import (
+    actor_batches,
+    actor_env_fns,
+    concatenate_batches,
+    idle_actors,
+    merge_infos,
+)
 
 __all__ = ["ActorDiedError", "EnvActor", "RayVectorEnv"]
 
@@ -106,7 +106,8 @@ class RayVectorEnv(VectorEnvBase):
         autoreset_mode: an ``AutoresetMode`` or its string value, shared by all actors.
         batch_size: with ``batch_size < num_envs``, the async mode: ``recv()`` returns
             the first ``batch_size // envs_per_actor`` actor batches that are ready.
-            It must be a multiple of the (then equal) block size.
+            It must be a multiple of the (then equal) block size; ``send`` and
+            ``async_reset`` then name whole blocks of idle actors, in any order.
         group_size: envs ``g*k .. g*k+g-1`` share seed ``s + k`` across actors, as in
             ``ShmVectorEnv``.
         on_actor_death: ``"raise"``: a dead actor is an ``ActorDiedError`` naming it and
@@ -159,7 +160,7 @@ class RayVectorEnv(VectorEnvBase):
         self.closed = True  # until the actors are up; close() is then a no-op
         if not ray.is_initialized():
             raise RuntimeError("RayVectorEnv needs Ray: call ray.init(...) first")
-        env_fns = _env_fns(env_fns, num_actors, envs_per_actor, env_kwargs or {})
+        env_fns = actor_env_fns(env_fns, num_actors, envs_per_actor, env_kwargs or {})
         if on_actor_death not in ("raise", "restart"):
             raise ValueError(f"on_actor_death must be 'raise' or 'restart', got {on_actor_death!r}")
         if node_ids is not None and len(node_ids) != num_actors:
@@ -172,7 +173,8 @@ class RayVectorEnv(VectorEnvBase):
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         self.actor_env_ids = split_blocks(self.num_envs, num_actors)
         self.batch_size = self.num_envs if batch_size is None else int(batch_size)
-        self._batch_actors = _actor_batches(self.batch_size, self.actor_env_ids)
+        self.is_async = self.batch_size < self.num_envs
+        self._batch_actors = actor_batches(self.batch_size, self.actor_env_ids)
         self._state = AsyncState.DEFAULT
         self._refs: dict[int, Any] = {}  # sync mode: actor -> its pending call
         self._reset_args: dict[int, tuple] = {}
@@ -224,13 +226,6 @@ class RayVectorEnv(VectorEnvBase):
         """How many times each actor was restarted."""
         return self._group.restarts
 
-    # ------------------------------------------------------------------ setup
-
-    @property
-    def is_async(self) -> bool:
-        """True when ``batch_size < num_envs``."""
-        return self.batch_size < self.num_envs
-
     # ------------------------------------------------------------------ reset
 
     def reset_async(self, seed: Seeds = None, options: Options = None, reset_mask=None) -> None:
@@ -241,10 +236,7 @@ class RayVectorEnv(VectorEnvBase):
         mask is ``options["reset_mask"]`` as in gymnasium, or ``reset_mask``.
         """
         self._assert_idle("reset_async")
-        if self.is_async:
-            raise RuntimeError(
-                "with batch_size < num_envs, reset with async_reset() and read with recv()"
-            )
+        self._assert_sync("reset_async")
         options = dict(options) if isinstance(options, dict) else options
         reset_mask = take_reset_mask(options, reset_mask)
         if reset_mask is not None:
@@ -265,7 +257,7 @@ class RayVectorEnv(VectorEnvBase):
         for k, (obs, _) in results.items():
             self._actor_obs[k] = obs
         parts = [(k, results[k][1]) for k in sorted(results)]
-        infos = _merge_infos(parts, self.actor_env_ids, self.num_envs)
+        infos = merge_infos(parts, self.actor_env_ids, self.num_envs)
         return self._join_obs(self._actor_obs), infos
 
     # ------------------------------------------------------------------- step
@@ -273,10 +265,7 @@ class RayVectorEnv(VectorEnvBase):
     def step_async(self, actions: ArrayType) -> None:
         """Sends each actor the actions of its block."""
         self._assert_idle("step_async")
-        if self.is_async:
-            raise RuntimeError(
-                "with batch_size < num_envs, step with send(actions, env_ids) and recv()"
-            )
+        self._assert_sync("step_async")
         check_rows(self.single_action_space, actions, self.num_envs)
         self._refs = {
             k: actor.step.remote(take_rows(self.single_action_space, actions, rows))
@@ -300,64 +289,36 @@ class RayVectorEnv(VectorEnvBase):
 
     # ------------------------------------------------------------------ async
 
-    def async_reset(self, seed: Seeds = None, options: Options = None, env_ids=None) -> None:
-        """Resets envs without waiting; ``recv()`` returns the results.
-
-        ``seed`` and ``options`` are expanded over all envs as in ``reset``. In async
-        mode ``env_ids`` (default: all) must name whole actor blocks whose actors are
-        idle: the actor is the unit that steps and resets.
-        """
-        self._assert_is_running()
-        if not self.is_async:
-            if env_ids is not None:
-                raise ValueError("env_ids in async_reset needs batch_size < num_envs")
-            self.reset_async(seed=seed, options=options)
-            self._sync_reset_pending = True
-            return
+    def _async_reset(self, seed: Seeds, options: Options, env_ids: Any) -> None:
+        """In async mode ``env_ids`` (default: all) must name whole actor blocks whose
+        actors are idle: the actor is the unit that steps and resets."""
         seeds, per_actor = self._expand_seeds(seed), self._split_options(options)
         ids = np.arange(self.num_envs) if env_ids is None else check_env_ids(env_ids, self.num_envs)
-        for k in _idle_actors(ids, self.actor_env_ids, self._busy(), "async_reset"):
+        for k in idle_actors(ids, self.actor_env_ids, self._busy(), "async_reset"):
             rows = self.actor_env_ids[k]
             args = (seeds[rows.start : rows.stop], per_actor[k], None)
             self._pending[self.actors[k].reset.remote(*args)] = (k, "reset")
         self._was_reset = True
 
-    def send(self, actions: Any, env_ids: Any = None) -> None:
-        """Hands ``actions[i]`` to env ``env_ids[i]`` and returns at once.
-
-        ``env_ids`` defaults to those of the last ``recv()`` and must name whole actor
-        blocks, in any order, whose actors are idle. In sync mode they must name every
-        env.
-        """
-        self._assert_is_running()
-        if not self.is_async and env_ids is None:
-            self.step_async(actions)
-            return
+    def _send(self, actions: Any, env_ids: Any) -> None:
+        """``env_ids`` must name whole actor blocks, in any order, whose actors are idle."""
         if env_ids is None:
             if self._last_env_ids is None:
                 raise ValueError("send() needs env_ids: no recv() has returned any yet")
             env_ids = self._last_env_ids
         ids = check_env_ids(env_ids, self.num_envs)
-        if not self.is_async:  # in_env_order and step_async check the rows
-            self.step_async(in_env_order(self.single_action_space, actions, ids, self.num_envs))
-            return
         check_rows(self.single_action_space, actions, len(ids))
         if not self._was_reset:
             raise RuntimeError("send() before async_reset(): reset the envs first")
         position = np.empty(self.num_envs, dtype=np.int64)
         position[ids] = np.arange(len(ids))
-        for k in _idle_actors(ids, self.actor_env_ids, self._busy(), "send"):
+        for k in idle_actors(ids, self.actor_env_ids, self._busy(), "send"):
             rows = self.actor_env_ids[k]
             block_actions = take_rows(self.single_action_space, actions, position[rows])
             self._pending[self.actors[k].step.remote(block_actions)] = (k, "step")
 
-    def recv(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict]:
-        """The first ``batch_size`` results to be ready, whole actor batches:
-        ``(obs, rewards, terminations, truncations, infos)`` with ``infos["env_id"]``.
-        """
-        self._assert_is_running()
-        if not self.is_async:
-            return self._recv_sync(timeout)
+    def _recv(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """The first ``batch_size`` results to be ready, whole actor batches."""
         need = self._batch_actors
         if len(self._pending) < need:
             running = sum(len(self.actor_env_ids[k]) for k, _ in self._pending.values())
@@ -397,10 +358,6 @@ class RayVectorEnv(VectorEnvBase):
             n = len(self.actor_env_ids[k])
             return obs, np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool), infos
         return result
-
-    def _recv_sync(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict]:
-        pending, self._sync_reset_pending = self._sync_reset_pending, False
-        return recv_whole_batch(self, pending, timeout)
 
     # ------------------------------------------------------------- call & co
 
@@ -472,9 +429,9 @@ class RayVectorEnv(VectorEnvBase):
     def _span(self, k: int) -> tuple[int, int]:
         return self.actor_env_ids[k].start, self.actor_env_ids[k].stop
 
-    def _assert_idle(self, name: str) -> None:
+    def _assert_idle(self, name: str, end: str = ".") -> None:
         self._assert_is_running()
-        super()._assert_idle(name)
+        super()._assert_idle(name, end)
         if self._group.stale:  # late results of a timed-out wait: drop them
             ray.wait(self._group.stale, num_returns=len(self._group.stale))
             self._group.stale = []
@@ -511,7 +468,7 @@ class RayVectorEnv(VectorEnvBase):
             np.concatenate([b[i] for b in batches]) for i in (1, 2, 3)
         )
         parts = [(k, b[4]) for k, b in zip(actors, batches)]
-        infos = _merge_infos(parts, self.actor_env_ids, rows, by_env=False)
+        infos = merge_infos(parts, self.actor_env_ids, rows, by_env=False)
         for k, batch in zip(actors, batches):
             self.actor_restarts[k] += ACTOR_RESTARTED in batch[4]
         self._stats_steps += len(rewards)
@@ -519,112 +476,4 @@ class RayVectorEnv(VectorEnvBase):
         return obs, rewards, terminations, truncations, infos
 
     def _join_obs(self, batches: list) -> Any:
-        return _concatenate_batches(self.single_observation_space, batches)
-
-
-def _actor_batches(batch_size: int, blocks: list[range]) -> int:
-    """The number of actor batches one ``recv()`` returns."""
-    num_envs = blocks[-1].stop
-    if batch_size == num_envs:
-        return len(blocks)
-    if not 1 <= batch_size <= num_envs:
-        raise ValueError(f"batch_size must be between 1 and num_envs={num_envs}, got {batch_size}")
-    sizes = {len(rows) for rows in blocks}
-    block = len(blocks[0])
-    if len(sizes) != 1 or batch_size % block:
-        raise ValueError(
-            f"batch_size < num_envs needs equal actor blocks and a multiple of them: "
-            f"blocks of {sorted(sizes)} envs, batch_size={batch_size}"
-        )
-    return batch_size // block
-
-
-def _idle_actors(ids: np.ndarray, blocks: list[range], busy: set, name: str) -> list[int]:
-    """The actors whose whole blocks ``ids`` (checked env ids) names; none may be ``busy``."""
-    named = np.zeros(blocks[-1].stop, dtype=bool)
-    named[ids] = True
-    actors = []
-    for k, rows in enumerate(blocks):
-        block = named[rows.start : rows.stop]
-        if not block.any():
-            continue
-        if not block.all():
-            raise ValueError(
-                f"{name}() steps whole actor blocks: actor {k} owns envs "
-                f"{rows.start}..{rows.stop - 1}, env_ids names only "
-                f"{(np.flatnonzero(block) + rows.start).tolist()}"
-            )
-        if k in busy:
-            raise ValueError(
-                f"envs {rows.start}..{rows.stop - 1} (actor {k}) are not awaiting an "
-                "action: their previous call is still running (recv() its result first)"
-            )
-        actors.append(k)
-    return actors
-
-
-def _env_fns(
-    env_fns: Sequence[Callable[[], gym.Env]] | str,
-    num_actors: int,
-    envs_per_actor: int | None,
-    env_kwargs: dict[str, Any],
-) -> list[Callable[[], gym.Env]]:
-    if not isinstance(num_actors, int) or num_actors < 1:
-        raise ValueError(f"num_actors must be a positive int, got {num_actors!r}")
-    if isinstance(env_fns, str):
-        per_actor = 1 if envs_per_actor is None else envs_per_actor
-        return [functools.partial(gym.make, env_fns, **env_kwargs)] * (num_actors * per_actor)
-    env_fns = list(env_fns)
-    for i, fn in enumerate(env_fns):
-        if not callable(fn):
-            raise TypeError(f"env_fns[{i}] is not callable: {fn!r}")
-    if len(env_fns) < num_actors:
-        raise ValueError(f"{len(env_fns)} env_fns cannot fill {num_actors} actors")
-    if envs_per_actor is not None and envs_per_actor * num_actors != len(env_fns):
-        raise ValueError(
-            f"envs_per_actor={envs_per_actor} x num_actors={num_actors} != {len(env_fns)} env_fns"
-        )
-    return env_fns
-
-
-_FIXED_SIZE = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
-
-
-def _concatenate_batches(space: gym.Space, batches: list) -> Any:
-    """One batch from consecutive batches of ``space``: gymnasium's ``concatenate``,
-    for batches instead of single values (fresh arrays at fixed-size leaves, tuples
-    of per-env values elsewhere, as gymnasium batches them)."""
-    if isinstance(space, spaces.Dict):
-        return {
-            key: _concatenate_batches(sub, [b[key] for b in batches])
-            for key, sub in space.spaces.items()
-        }
-    if isinstance(space, spaces.Tuple):
-        return tuple(
-            _concatenate_batches(sub, [b[i] for b in batches]) for i, sub in enumerate(space.spaces)
-        )
-    if isinstance(space, _FIXED_SIZE):
-        return np.concatenate(batches)
-    return tuple(value for batch in batches for value in batch)
-
-
-def _merge_infos(
-    parts: list[tuple[int, dict]], blocks: list[range], rows: int, by_env: bool = True
-) -> dict[str, Any]:
-    """Merges the actors' batched infos with ``VectorEnv._add_info``.
-
-    ``parts`` are ``(actor, infos)``; an actor's rows land at its env ids
-    (``by_env``) or one after another in the order given.
-    """
-    items = []
-    offset = 0
-    for k, block in parts:
-        first = blocks[k].start if by_env else offset
-        offset += len(blocks[k])
-        items += [(first + row, [info]) for row, [info] in _items(block)]
-    return batch_infos(items, rows)
-
-
-def _items(infos: dict) -> list[tuple[int, list[dict]]]:
-    """A batched info dict as per-row dicts ``[(row, [info])]`` for ``batch_infos``."""
-    return [(row, [unbatch_info(infos, row)]) for row in rows_with_info(infos)]
+        return concatenate_batches(self.single_observation_space, batches)

@@ -108,7 +108,7 @@ class EnvActor:
             "pid": os.getpid(),
         }
 
-    def reset(self, seeds: list, options: Any, reset_mask: np.ndarray | None) -> tuple:
+    def reset(self, seeds: list | None, options: Any, reset_mask: np.ndarray | None) -> tuple:
         """``ShmVectorEnv.reset`` of the block: ``(obs, infos)``."""
         self.restarted = False
         return self._guard(self.envs.reset, seed=seeds, options=options, reset_mask=reset_mask)
@@ -201,8 +201,8 @@ class ActorGroup:
         if strategy is None:
             return ["DEFAULT"] * len(self.blocks)
         bundles = [bundle] * len(self.blocks)
-        self.placement_group = placement_group(bundles, strategy=strategy)
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=STARTUP_TIMEOUT_S)
+        self.placement_group = group = placement_group(bundles, strategy=strategy)
+        ready, _ = ray.wait([group.ready()], timeout=STARTUP_TIMEOUT_S)
         if not ready:
             raise RuntimeError(
                 f"the placement group ({len(self.blocks)} bundles of {bundles[0]}, {strategy}) "
@@ -210,7 +210,7 @@ class ActorGroup:
                 f"{ray.cluster_resources()}"
             )
         return [
-            PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=k)
+            PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=k)
             for k in range(len(self.blocks))
         ]
 

@@ -74,7 +74,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import gymnasium as gym
 import numpy as np
@@ -323,10 +323,13 @@ class ShmSB3VecEnv(VecEnv):
             )
         try:
             self._check_vector_env(shm_env)
-            self.shm_env = shm_env
+            # A ShmVectorEnv, or a gymnasium vector wrapper around one: used by what
+            # it has (step_async, call), as SB3 uses a VecEnv.
+            self.shm_env: Any = shm_env
             # gymnasium's vector wrappers have no call/set_attr: those reach the sub-envs,
             # through the vector env inside.
-            self._calls = shm_env if hasattr(shm_env, "call") else shm_env.unwrapped
+            calls = shm_env if hasattr(shm_env, "call") else shm_env.unwrapped
+            self._calls: Any = cast(Any, calls)  # duck-typed: call, set_attr
             self._closed = False
             self._actions: Any = None
             self._waiting = False
@@ -404,7 +407,7 @@ class ShmSB3VecEnv(VecEnv):
     def _sb3_infos(self, infos: dict, dones: np.ndarray, terminations, truncations) -> list[dict]:
         n = self.num_envs
         if dones.any():
-            final_obs = infos.get("final_obs")
+            final_obs: Any = infos.get("final_obs")
             final_infos = unbatch_infos(infos.get("final_info", {}), n)
             infos = {k: v for k, v in infos.items() if k not in _FINAL_KEYS}
         per_env = unbatch_infos(infos, n)
@@ -540,7 +543,8 @@ class ShmSB3VecEnv(VecEnv):
 
 def _subclasses(cls: type) -> Iterable[type]:
     yield cls
-    for sub in cls.__subclasses__():
+    subclasses: list[type] = cls.__subclasses__()
+    for sub in subclasses:
         yield from _subclasses(sub)
 
 

@@ -3,9 +3,9 @@
 Each waiter learns its spin from the gaps it sees (csrc/wait_policy.h: grow
 after a sleep that a longer spin would have avoided, drift down after waits
 caught by the spin, drop to 0 when idle); this module only chooses each
-waiter's cap from the core count and the waiter's role. A spin value passed
-to the core is a fixed spin when >= 0 and "adaptive, capped at -value" when
-< 0.
+waiter's ``Spin`` (its cap, and whether it adapts) from the core count and the
+waiter's role. ``Spin.core_ns`` is the one place that turns a ``Spin`` into
+the core's integer argument.
 
 Measurements behind the caps (futex sleep/wake round trip ~55 us on an idle
 2-core VM, several times that when the woken vCPU had halted; a spin round
@@ -51,11 +51,42 @@ MANY_CORES = 8
 MANY_CORES_SPIN_CAP_NS = 500_000
 
 
-class SpinPolicy(NamedTuple):
-    """Spin values (>= 0 fixed, < 0 adaptive with cap -value), in ns."""
+class Spin(NamedTuple):
+    """How one waiter spins before it sleeps on its futex."""
 
-    main_ns: int  # the main process waiting for the workers
-    worker_ns: int  # a worker waiting for the next command
+    #: The longest spin, in ns (0: sleep at once).
+    cap_ns: int
+    #: True: the spin adapts to the gaps seen, from 0 up to ``cap_ns``;
+    #: False: every wait spins ``cap_ns``.
+    adaptive: bool
+
+    def core_ns(self) -> int:
+        """The ``spin_ns`` argument of the core's waits (csrc/wait_policy.h): a
+        fixed spin as itself, an adaptive one as ``-cap_ns``."""
+        if self.cap_ns < 0:
+            raise ValueError(f"a spin's cap must be >= 0 ns, got {self.cap_ns}")
+        return -self.cap_ns if self.adaptive else self.cap_ns
+
+
+#: No spin: the waiter sleeps on its futex at once.
+NO_SPIN = Spin(0, adaptive=False)
+
+
+class SpinPolicy(NamedTuple):
+    """Each waiter's spin."""
+
+    main: Spin  # the main process waiting for the workers
+    worker: Spin  # a worker waiting for the next command
+
+    @property
+    def main_ns(self) -> int:
+        """``main.core_ns()``."""
+        return self.main.core_ns()
+
+    @property
+    def worker_ns(self) -> int:
+        """``worker.core_ns()``."""
+        return self.worker.core_ns()
 
 
 def available_cpus() -> int:
@@ -70,11 +101,11 @@ def default_spin(num_processes: int, cpus: int | None = None) -> SpinPolicy:
     cpus = available_cpus() if cpus is None else cpus
     over = num_processes + 1 - cpus
     if over <= 0 or (over == 1 and cpus >= MANY_CORES):
-        cap = MANY_CORES_SPIN_CAP_NS if cpus >= MANY_CORES else SPIN_CAP_NS
-        return SpinPolicy(main_ns=-cap, worker_ns=-cap)
+        cap = Spin(MANY_CORES_SPIN_CAP_NS if cpus >= MANY_CORES else SPIN_CAP_NS, adaptive=True)
+        return SpinPolicy(main=cap, worker=cap)
     if num_processes <= cpus:  # a core per worker; main shares one
-        return SpinPolicy(main_ns=0, worker_ns=-SPIN_CAP_NS)
-    return SpinPolicy(main_ns=0, worker_ns=SHARED_SPIN_NS)
+        return SpinPolicy(main=NO_SPIN, worker=Spin(SPIN_CAP_NS, adaptive=True))
+    return SpinPolicy(main=NO_SPIN, worker=Spin(SHARED_SPIN_NS, adaptive=False))
 
 
 def default_pinning(num_processes: int, async_mode: bool, cpus: int | None = None) -> bool:
@@ -97,4 +128,5 @@ def fixed_spin(spin_ns: int) -> SpinPolicy:
     """``spin_ns=`` given by the user: every waiter spins exactly that long."""
     if spin_ns < 0:
         raise ValueError(f"spin_ns must be >= 0 (nanoseconds), got {spin_ns}")
-    return SpinPolicy(spin_ns, spin_ns)
+    spin = Spin(int(spin_ns), adaptive=False)
+    return SpinPolicy(main=spin, worker=spin)

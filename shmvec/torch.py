@@ -173,10 +173,9 @@ class TorchVectorEnv(VectorWrapper):
         Only when this bridge wraps the ShmVectorEnv itself: vector wrappers in
         between must see every step.
         """
-        direct = self.env is self.shm and self._slab is not None
-        if not (direct and isinstance(actions, torch.Tensor)):
-            return False
         slab = self._slab
+        if not (self.env is self.shm and slab is not None and isinstance(actions, torch.Tensor)):
+            return False
         if tuple(actions.shape) != tuple(slab.shape):
             raise ValueError(
                 f"actions have shape {tuple(actions.shape)}, expected {tuple(slab.shape)}"

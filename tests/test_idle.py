@@ -19,10 +19,14 @@ import pytest
 import shmvec
 from shmvec.spin import (
     MANY_CORES_SPIN_CAP_NS,
+    NO_SPIN,
     SHARED_SPIN_NS,
     SPIN_CAP_NS,
+    Spin,
+    SpinPolicy,
     default_pinning,
     default_spin,
+    fixed_spin,
 )
 
 IDLE_S = 1.0
@@ -85,18 +89,34 @@ def test_idle_vector_env_uses_no_core(kwargs):
 
 
 def test_default_spin_policy_by_cores():
+    adaptive, fixed = Spin(SPIN_CAP_NS, adaptive=True), Spin(SHARED_SPIN_NS, adaptive=False)
+    many = Spin(MANY_CORES_SPIN_CAP_NS, adaptive=True)
     # Processes share cores: main never spins; workers spin adaptively while
     # each has a core, a fixed spin when they too share.
-    assert default_spin(2, cpus=2) == (0, -SPIN_CAP_NS)
-    assert default_spin(3, cpus=2) == (0, SHARED_SPIN_NS)
-    assert default_spin(16, cpus=8) == (0, SHARED_SPIN_NS)
-    # Each process has a core, or one over on many cores: adaptive (negative = cap),
-    # with a longer cap on many cores.
-    assert default_spin(1, cpus=2) == (-SPIN_CAP_NS, -SPIN_CAP_NS)
-    assert default_spin(16, cpus=16) == (-MANY_CORES_SPIN_CAP_NS, -MANY_CORES_SPIN_CAP_NS)
-    assert default_spin(15, cpus=16) == (-MANY_CORES_SPIN_CAP_NS, -MANY_CORES_SPIN_CAP_NS)
-    assert default_spin(4, cpus=4) == (0, -SPIN_CAP_NS)
-    assert default_spin(5, cpus=4) == (0, SHARED_SPIN_NS)
+    assert default_spin(2, cpus=2) == SpinPolicy(main=NO_SPIN, worker=adaptive)
+    assert default_spin(3, cpus=2) == SpinPolicy(main=NO_SPIN, worker=fixed)
+    assert default_spin(16, cpus=8) == SpinPolicy(main=NO_SPIN, worker=fixed)
+    # Each process has a core, or one over on many cores: adaptive, with a longer
+    # cap on many cores.
+    assert default_spin(1, cpus=2) == SpinPolicy(main=adaptive, worker=adaptive)
+    assert default_spin(16, cpus=16) == SpinPolicy(main=many, worker=many)
+    assert default_spin(15, cpus=16) == SpinPolicy(main=many, worker=many)
+    assert default_spin(4, cpus=4) == SpinPolicy(main=NO_SPIN, worker=adaptive)
+    assert default_spin(5, cpus=4) == SpinPolicy(main=NO_SPIN, worker=fixed)
+
+
+def test_spin_reaches_the_core_as_one_signed_integer():
+    # csrc/wait_policy.h: a fixed spin as itself, an adaptive one as -cap.
+    assert Spin(50_000, adaptive=False).core_ns() == 50_000
+    assert Spin(200_000, adaptive=True).core_ns() == -200_000
+    assert NO_SPIN.core_ns() == 0
+    policy = SpinPolicy(main=NO_SPIN, worker=Spin(200_000, adaptive=True))
+    assert (policy.main_ns, policy.worker_ns) == (0, -200_000)
+    assert fixed_spin(20_000) == SpinPolicy(*[Spin(20_000, adaptive=False)] * 2)
+    with pytest.raises(ValueError, match="spin_ns must be >= 0"):
+        fixed_spin(-1)  # a user's spin_ns has no sign-encoded meaning
+    with pytest.raises(ValueError, match=">= 0 ns"):
+        Spin(-5, adaptive=True).core_ns()
 
 
 def test_default_pinning_by_cores():

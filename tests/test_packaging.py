@@ -192,6 +192,8 @@ def test_sdist_carries_the_sources_and_no_build(dists) -> None:
         "README.md",
         "shmvec/_worker_loop.pyx",
         "shmvec/__main__.py",
+        "shmvec/py.typed",
+        "shmvec/_core.pyi",
         *(p.relative_to(ROOT).as_posix() for p in (ROOT / "csrc").rglob("*.[ch]*")),
     ):
         assert needed in names, f"{needed} missing from {sdist.name}"
@@ -213,6 +215,7 @@ def test_wheel_installs_without_compiler_or_cmake(dists, tmp_path: Path) -> None
     assert any(n.startswith("shmvec/_core.") and n.endswith(".so") for n in names)
     assert any(n.startswith("shmvec/_worker_loop.") and n.endswith(".so") for n in names)
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    assert {"shmvec/py.typed", "shmvec/_core.pyi"} <= set(names)  # PEP 561
     python = _new_venv(tmp_path / "venv")
     bare = {"PATH": str(python.parent), "CXX": "/nonexistent/c++", "CC": "/nonexistent/cc"}
     _pip_install(python, wheel, cwd=tmp_path, **bare)

@@ -441,13 +441,15 @@ def test_async_mode_each_env_matches_stepping_it_alone(mode):
         obs, _ = env.reset(seed=50 + e)
         expected[e] = (obs, 0.0, False, False)
     rng = np.random.default_rng(2)
-    arrivals = []
+    results = np.zeros(n, dtype=int)
+    # Until every env has 30 results: each sent env's result arrives, in however
+    # many recv()s a busy machine takes; only the wall clock bounds the loop.
+    deadline = time.monotonic() + 120.0
     try:
         envs.async_reset(seed=50)
-        for _ in range(120):
-            obs, rewards, terminations, truncations, infos = envs.recv()
+        while results.min() < 30 and time.monotonic() < deadline:
+            obs, rewards, terminations, truncations, infos = envs.recv(timeout=120.0)
             ids = infos["env_id"].tolist()
-            arrivals.extend(ids)
             for row, e in enumerate(ids):
                 want_obs, want_reward, want_terminated, want_truncated = expected[e]
                 assert np.array_equal(obs[row], want_obs), f"env {e}"
@@ -456,6 +458,7 @@ def test_async_mode_each_env_matches_stepping_it_alone(mode):
                 assert truncations[row] == want_truncated, f"env {e}"
                 if "t" in infos and infos["_t"][row]:
                     assert infos["t"][row] == obs[row][0]
+                results[e] += 1
             actions = rng.integers(0, 4, len(ids))
             envs.send(actions, ids)
             for e, action in zip(ids, actions.tolist()):
@@ -463,7 +466,7 @@ def test_async_mode_each_env_matches_stepping_it_alone(mode):
         assert envs.stats()["worker_env_threads"] == [4, 4]
     finally:
         envs.close()
-    assert set(arrivals) == set(range(n))
+    assert results.min() >= 30, f"results per env after 120 s: {results}"
 
 
 # ------------------------------------------------- timeouts, restarts, errors
