@@ -17,12 +17,12 @@ peer on the same core gets it back quickly):
   and workers spin adaptively up to ``SPIN_CAP_NS``: on a 16-core VM (16
   workers), spinning 200 us instead of 0 (main) and 50 (workers) lifted
   cpu100us x64 from 72k to 109k steps/s. From ``MANY_CORES`` cores on the cap
-  is ``MANY_CORES_SPIN_CAP_NS``: on the 16-core VM with pinned workers, a
+  is ``MANY_CORES_SPIN_CAP_NS``: on a 16-vCPU VM with pinned workers, a
   fixed 500 us spin against the 200 us adaptive cap gave 1.07-1.09x (cpu100us
   x16, x64; CartPole x64, x256, sync) and 1.14x (cpu100us x64, async),
   medians of 3 alternated runs; then the 500 us adaptive cap against the
   200 us one: cpu100us x64 1.03x sync, 1.11x async, x16 and CartPole x256
-  within noise (docs/scale-16core.md).
+  within noise (docs/design/waiting.md).
 - When processes share cores (2 workers and main on 2 cores), a spinning main
   steals time from the very worker it waits for: with CartPole-v1 x32, a
   50 us main spin cut throughput from ~150k to ~85-105k steps/s. There main
@@ -112,7 +112,7 @@ def default_pinning(num_processes: int, async_mode: bool, cpus: int | None = Non
     """Whether worker processes are each kept on one CPU by default: in sync
     mode, when there are as many as the cores or more, on ``MANY_CORES`` or more.
 
-    Measured on a 16-core VM (16 workers and main; docs/scale-16core.md):
+    Measured on a 16-vCPU VM (16 workers and main; docs/design/waiting.md):
     unpinned, the scheduler often queues a woken worker behind another on one
     CPU while main's CPU idles, so a sync round's last worker starts a whole
     block of env steps late (cpu100us: 1.65 ms of a 3.4 ms round at 256 envs,

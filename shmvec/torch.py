@@ -54,9 +54,10 @@ from gymnasium.vector import VectorWrapper
 
 from shmvec.vector_env import ShmVectorEnv
 
-#: Spans from this size on are copied on the bridge's own stream. Not measured
-#: yet (no GPU lent so far): ~25 GB/s of pinned H2D bandwidth makes 1 MiB ~40 us,
-#: a few times the ~10 us that the side stream's extra calls cost per step.
+#: Spans from this size on are copied on the bridge's own stream, so that they can
+#: overlap GPU work queued before them: at pinned host-to-device bandwidth (55 GB/s
+#: on an H100) 1 MiB takes ~20 us, a few times the ~10 us the side stream's extra
+#: calls cost per step. The threshold itself has no A/B (docs/performance.md).
 SIDE_STREAM_BYTES = 1 << 20
 
 
