@@ -23,6 +23,7 @@ from typing import Any
 import cloudpickle
 
 from shmvec import _core
+from shmvec.engine.options import EngineOptions
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.protocol import LIVENESS_CHECK_S
 from shmvec.start_method import worker_context
@@ -50,35 +51,24 @@ class WorkerPool:
             are filled in per worker).
         env_fns: every env's callable.
         blocks: the env ids of each worker.
-        context: multiprocessing start method.
-        daemon: whether worker processes are daemonic.
-        step_in_main: worker 0 runs in this process (``InProcessWorker``).
-        private: no worker process at all: the segment needs no fd.
-        restart_on_death: a send to a dead worker is left to the round's wait,
-            which restarts it (``on_worker_death="restart"``).
+        options: the start method, daemon, ``step_in_main`` (worker 0 runs in
+            this process), ``in_process`` (no worker process at all: the
+            segment needs no fd) and ``restart_on_death`` (a send to a dead
+            worker is left to the wait that restarts it).
     """
 
     def __init__(
-        self,
-        spec: WorkerSpec,
-        env_fns: list,
-        blocks: list[range],
-        *,
-        context: str | None,
-        daemon: bool,
-        step_in_main: bool,
-        private: bool,
-        restart_on_death: bool,
+        self, spec: WorkerSpec, env_fns: list, blocks: list[range], options: EngineOptions
     ) -> None:
         self.spec = spec
         self.env_fns = env_fns
         self.blocks = blocks
         self.num_workers = len(blocks)
-        self.context = context
-        self.daemon = daemon
-        self.step_in_main = step_in_main
-        self.private = private
-        self.restart_on_death = restart_on_death
+        self.context = options.context
+        self.daemon = options.daemon
+        self.step_in_main = options.step_in_main
+        self.private = options.in_process
+        self.restart_on_death = options.restart_on_death
         self.layout = make_layout(spec)
         self.segment = None
         self.workers: list = []
