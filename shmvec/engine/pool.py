@@ -73,7 +73,8 @@ class WorkerPool:
         self.segment = None
         self.workers: list = []
         self.pipes: list = []
-        self.stashed: list[tuple[deque, deque]] = []  # per worker: (replies, row messages)
+        # Per worker: (replies, row messages) read but not yet asked for.
+        self.stashed: list[tuple[deque, deque]] = [(deque(), deque()) for _ in blocks]
         self.main_worker: InProcessWorker | None = None
         self.killed_stuck: dict[int, str] = {}  # worker -> why shmvec killed it
 
@@ -106,7 +107,6 @@ class WorkerPool:
     def spawn(self) -> None:
         """Starts every worker and waits until each is ready."""
         for index, rows in enumerate(self.blocks):
-            self.stashed.append((deque(), deque()))
             if index == 0 and self.step_in_main:
                 main_end, worker_end = LoopbackPipe.pair()
                 # The main process's own block is stepped serially: its threads
