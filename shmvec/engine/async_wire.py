@@ -183,12 +183,12 @@ class AsyncWire:
         other env of its block reports a truncated episode for its next command.
         """
         where, hole, hole_env = self._unconsumed_rows(dead)
-        plan = {}
+        plan: dict[int, tuple] = {}
         for env in self.pool.blocks[dead]:
             command = int(self.last_command[env])
             if self.awaiting[env] or self.env_commands[env] != ENV_IDLE:
                 continue  # idle, or not started: the replacement's first command does it
-            if env == hole_env:
+            if env == hole_env and hole is not None:
                 plan[env] = ("hole", *hole, command)
             elif env in where:
                 slot, row = where[env]
@@ -214,7 +214,8 @@ class AsyncWire:
         block = pool.blocks[dead]
         where: dict[int, Row] = {}
         unwritten: list[Row] = []
-        last_of_dead, per_slot = None, {}
+        last_of_dead: int | None = None
+        per_slot: dict[int, int] = {}
         for n in range(first, claimed):
             slot, row = (n // batch) % slots, n % batch
             per_slot[slot] = per_slot.get(slot, 0) + 1
@@ -235,6 +236,8 @@ class AsyncWire:
             return where, None, None
         if unwritten:
             return where, unwritten[0], None
+        if last_of_dead is None:
+            raise RuntimeError(f"shmvec internal error: a written hole after worker {dead} died")
         return where, where.pop(last_of_dead), last_of_dead
 
     def _message_lost(self, dead: int, slot: int, row: int, read: Set[Row]) -> bool:

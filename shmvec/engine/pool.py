@@ -70,7 +70,7 @@ class WorkerPool:
         self.private = options.in_process
         self.restart_on_death = options.restart_on_death
         self.layout = make_layout(spec)
-        self.segment = None
+        self.segment: Any = None  # the mapped _core.Segment, once open
         self.workers: list = []
         self.pipes: list = []
         # Per worker: (replies, row messages) read but not yet asked for.

@@ -96,8 +96,10 @@ class RoundDriver:
 
     def obs_views(self, slot: int) -> list:
         """The columns that the last round of observations into ``slot`` wrote."""
-        region = self.slot_regions[slot]
-        return self.pool.slots[slot].obs if region is None else self.leases.views[region]
+        region, leases = self.slot_regions[slot], self.leases
+        return (
+            self.pool.slots[slot].obs if region is None or leases is None else leases.views[region]
+        )
 
     def post(self, kind: int, arg: int = 0) -> None:
         """Starts a round, and tells the wire."""
@@ -229,9 +231,9 @@ class RoundDriver:
                 self._replaced(error.worker, supervisor.replace_worker(error.worker))
                 restarted[error.worker] = error
         if restarted and self.kind not in (None, STEP, RESET):
-            error = next(iter(restarted.values()))
-            add_note(error, f"the worker was restarted and its envs reset; `{name}` again")
-            raise error
+            died = next(iter(restarted.values()))
+            add_note(died, f"the worker was restarted and its envs reset; `{name}` again")
+            raise died
 
     def _replaced(self, index: int, ready: dict) -> None:
         """Worker ``index`` was replaced during this round: keeps what its
