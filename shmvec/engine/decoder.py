@@ -28,7 +28,7 @@ class ResultDecoder:
         slots: the ring slots' views.
         blocks: each worker's env ids.
         copy: return copies (True) or views of the ring.
-        leases: the segment's lease regions (sync mode, large observations).
+        leases: the segment's lease regions (large observations), or None.
     """
 
     def __init__(

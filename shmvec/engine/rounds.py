@@ -131,7 +131,7 @@ class RoundDriver:
         message, a late worker).
 
         The short path of ``ShmVectorEnv.step``, for sync mode without
-        ``env_timeout``: no doorbells, no round clock.
+        ``env_timeout``: no round clock.
         """
         slot = self.slot = (self.slot + 1) % self.ring_depth
         self.before_slot_reuse(slot)
