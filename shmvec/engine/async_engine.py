@@ -29,27 +29,9 @@ from shmvec.engine.supervisor import Supervisor
 from shmvec.errors import WorkerDiedError
 from shmvec.protocol import ENV_RESET, LIVENESS_CHECK_NS, LIVENESS_CHECK_S
 
-#: When main sleeps in ``recv`` (it shares cores with the workers), the worker
-#: whose row completes a batch wakes it, and the scheduler tends to put main on
-#: that worker's core and let the worker run on through its next envs. Main
-#: therefore asks that worker to yield its core (``ResultRing.set_handoff``)
-#: when its last measured turn (from a ``recv``'s return to the next ``recv``)
-#: was spent waiting, as for a policy on a GPU: its thread blocked at least once
-#: and ran on a CPU for less than this share of the turn. Then running main at
-#: once costs the worker little and starts main's wait early. A main that
-#: computes or spins through its turn (even one kept off a CPU meanwhile) is
-#: not handed the core: the worker's envs are worth as much to the loop.
-#:
-#: Measured on 2 cores (8 x 100 us envs on 2 workers, batches of 4, a policy
-#: that sleeps, then spins its last 100 us): with a 200 us policy main sat
-#: queued 100-230 us after many wake-ups (perf sched: 242 ms of a 1.5 s run,
-#: 128 ms with the yield) and the yield took the loop from 14.1k to 15.1k
-#: steps/s; with a 50 us policy (all spin) an unconditional yield cost 6%
-#: (17.9k -> 16.6k), hence the rule. Main measures one turn in
-#: ``HANDOFF_SAMPLE`` (two ``getrusage`` calls): measuring every turn cost ~2%
-#: of the 100 us loop in alternated runs.
-HANDOFF_MAX_CPU_SHARE = 0.5
-HANDOFF_SAMPLE = 8
+#: The batch's waker yields its core to main after turns main blocked in, on a CPU < this share.
+HANDOFF_MAX_CPU_SHARE = 0.5  # measurements: docs/design/heuristics.md, "Async core-yield"
+HANDOFF_SAMPLE = 8  # main measures one turn in this many (two getrusage calls)
 
 
 class AsyncEngine:
