@@ -78,15 +78,6 @@ class SpinPolicy(NamedTuple):
     main: Spin  # the main process waiting for the workers
     worker: Spin  # a worker waiting for the next command
 
-    @property
-    def main_ns(self) -> int:
-        """``main.core_ns()``."""
-        return self.main.core_ns()
-
-    @property
-    def worker_ns(self) -> int:
-        """``worker.core_ns()``."""
-        return self.worker.core_ns()
 
 
 def available_cpus() -> int:

@@ -58,7 +58,7 @@ from shmvec.batching import (
     split_blocks,
     take_reset_mask,
 )
-from shmvec.engine import SetupError, Stats, build_engine
+from shmvec.engine import EngineOptions, SetupError, Stats, build_engine
 from shmvec.engine.async_engine import AsyncEngine
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.rounds import RoundDriver
@@ -247,12 +247,14 @@ class ShmVectorEnv(VectorEnvBase):
         processes = self.num_workers - 1 if self.step_in_main else self.num_workers
         spin = tuning.spin(processes)
         self.pin_workers = tuning.pinning(processes, self.is_async)
-        engine = build_engine(
-            _worker_spec(self, spin.worker.core_ns()), self.env_fns, self._env_blocks,
-            self._obs_codec, self._stats, spin,
+        options = EngineOptions(
             copy=self._copy, context=self.context, daemon=self.daemon,
             step_in_main=self.step_in_main, in_process=self.in_process,
             env_timeout=self.env_timeout, restart_on_death=self.on_worker_death == "restart",
+        )  # fmt: skip
+        engine = build_engine(
+            _worker_spec(self, spin.worker.core_ns()), self.env_fns, self._env_blocks,
+            self._obs_codec, self._stats, spin, options,
         )  # fmt: skip
         self._pool, self._decoder, self._rounds = engine.pool, engine.decoder, engine.rounds
         self._async = engine.async_engine

@@ -111,7 +111,7 @@ def test_spin_reaches_the_core_as_one_signed_integer():
     assert Spin(200_000, adaptive=True).core_ns() == -200_000
     assert NO_SPIN.core_ns() == 0
     policy = SpinPolicy(main=NO_SPIN, worker=Spin(200_000, adaptive=True))
-    assert (policy.main_ns, policy.worker_ns) == (0, -200_000)
+    assert (policy.main.core_ns(), policy.worker.core_ns()) == (0, -200_000)
     assert fixed_spin(20_000) == SpinPolicy(*[Spin(20_000, adaptive=False)] * 2)
     with pytest.raises(ValueError, match="spin_ns must be >= 0"):
         fixed_spin(-1)  # a user's spin_ns has no sign-encoded meaning

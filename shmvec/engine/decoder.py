@@ -28,7 +28,7 @@ class ResultDecoder:
         slots: the ring slots' views.
         blocks: each worker's env ids.
         copy: return copies (True) or views of the ring.
-        leases: the segment's lease regions (sync mode, large observations).
+        leases: the segment's lease regions (large observations), or None.
     """
 
     def __init__(
@@ -86,7 +86,7 @@ class ResultDecoder:
 
     def batch_obs(self, slot: int, messages: dict[int, dict], region: int | None = None) -> Any:
         """A sync round's observations, from lease region ``region`` if not None."""
-        if region is not None:
+        if region is not None and self.leases is not None:
             return self.leases.read(region)
         if self.obs_codec.pickled:
             values = self.pickled_obs or [None] * self.num_envs
@@ -108,7 +108,7 @@ class ResultDecoder:
     def rows_obs(self, views, messages: dict[int, dict], rows: int, region: int | None) -> Any:
         """An async batch's observations, ``messages`` by row; from lease region
         ``region`` if not None."""
-        if region is not None:
+        if region is not None and self.leases is not None:
             return self.leases.read(region)
         if self.obs_codec.pickled:
             values = [None] * rows

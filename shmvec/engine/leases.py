@@ -13,7 +13,7 @@ Data flow, sync mode: ``RoundDriver`` takes a region (``next_region``) when
 it posts a round and names it in the command's arg (protocol.REGION_SHIFT);
 the workers write that round's observations there; ``read`` wraps the region
 for the caller, or the next ``next_region`` frees it if they were never read
-(an error, a timed-out round). Async mode: ``AsyncEngine`` binds each ring
+(an error, a timed-out round). Async mode: ``AsyncWire`` binds each ring
 slot to a region the same way (the segment's slot-regions table) before it
 releases the slot to the workers, who write the observations of the rows
 they claim there; ``recv`` wraps the region of the slot it returns.

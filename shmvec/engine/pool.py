@@ -23,6 +23,7 @@ from typing import Any
 import cloudpickle
 
 from shmvec import _core
+from shmvec.engine.options import EngineOptions
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.protocol import LIVENESS_CHECK_S
 from shmvec.start_method import worker_context
@@ -50,40 +51,30 @@ class WorkerPool:
             are filled in per worker).
         env_fns: every env's callable.
         blocks: the env ids of each worker.
-        context: multiprocessing start method.
-        daemon: whether worker processes are daemonic.
-        step_in_main: worker 0 runs in this process (``InProcessWorker``).
-        private: no worker process at all: the segment needs no fd.
-        restart_on_death: a send to a dead worker is left to the round's wait,
-            which restarts it (``on_worker_death="restart"``).
+        options: the start method, daemon, ``step_in_main`` (worker 0 runs in
+            this process), ``in_process`` (no worker process at all: the
+            segment needs no fd) and ``restart_on_death`` (a send to a dead
+            worker is left to the wait that restarts it).
     """
 
     def __init__(
-        self,
-        spec: WorkerSpec,
-        env_fns: list,
-        blocks: list[range],
-        *,
-        context: str | None,
-        daemon: bool,
-        step_in_main: bool,
-        private: bool,
-        restart_on_death: bool,
+        self, spec: WorkerSpec, env_fns: list, blocks: list[range], options: EngineOptions
     ) -> None:
         self.spec = spec
         self.env_fns = env_fns
         self.blocks = blocks
         self.num_workers = len(blocks)
-        self.context = context
-        self.daemon = daemon
-        self.step_in_main = step_in_main
-        self.private = private
-        self.restart_on_death = restart_on_death
+        self.context = options.context
+        self.daemon = options.daemon
+        self.step_in_main = options.step_in_main
+        self.private = options.in_process
+        self.restart_on_death = options.restart_on_death
         self.layout = make_layout(spec)
-        self.segment = None
+        self.segment: Any = None  # the mapped _core.Segment, once open
         self.workers: list = []
         self.pipes: list = []
-        self.stashed: list[tuple[deque, deque]] = []  # per worker: (replies, row messages)
+        # Per worker: (replies, row messages) read but not yet asked for.
+        self.stashed: list[tuple[deque, deque]] = [(deque(), deque()) for _ in blocks]
         self.main_worker: InProcessWorker | None = None
         self.killed_stuck: dict[int, str] = {}  # worker -> why shmvec killed it
 
@@ -116,7 +107,6 @@ class WorkerPool:
     def spawn(self) -> None:
         """Starts every worker and waits until each is ready."""
         for index, rows in enumerate(self.blocks):
-            self.stashed.append((deque(), deque()))
             if index == 0 and self.step_in_main:
                 main_end, worker_end = LoopbackPipe.pair()
                 # The main process's own block is stepped serially: its threads

@@ -7,7 +7,9 @@ of observations, the lease region they go to: engine/leases.py); ``finish`` wait
 until every worker arrived (replacing dead ones under
 ``on_worker_death="restart"``), reads the messages the workers flagged and
 re-raises env errors. A round whose wait timed out is ``unfinished``: the next
-round first waits for it and drops its results.
+round first waits for it and drops its results. Barrier rounds carry every
+command in sync mode and the non-env ones in async mode: the wire
+(engine/wire.py) hears of each round and owns what a replacement restores.
 
 Who may call what: the main process's one thread, one round at a time.
 """
@@ -25,6 +27,7 @@ from shmvec.engine.decoder import ResultDecoder, raise_errors
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
 from shmvec.engine.supervisor import Supervisor
+from shmvec.engine.wire import Wire
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.protocol import LIVENESS_CHECK_NS, LIVENESS_CHECK_S, REGION_SHIFT, RESET, STEP
 
@@ -37,7 +40,7 @@ class RoundDriver:
         supervisor: waits, timeouts and restarts.
         decoder: owns the info schemas a clean round must not have.
         stats: counts the main process's wait.
-        doorbells: async mode: rung with every post, so sleeping workers see it.
+        wire: the wire protocol, told of every round posted and ended.
     """
 
     def __init__(
@@ -46,7 +49,7 @@ class RoundDriver:
         supervisor: Supervisor,
         decoder: ResultDecoder,
         stats: Stats,
-        doorbells: list | None,
+        wire: Wire,
     ) -> None:
         self.pool = pool
         self.barrier = pool.barrier
@@ -55,10 +58,10 @@ class RoundDriver:
         self.decoder = decoder
         self.stats = stats
         self.main_spin_ns = supervisor.main_spin_ns  # one attribute less to look up per step
-        self.doorbells = doorbells
+        self.wire = wire
+        self.wire_posted = wire.posted  # step_round's: one attribute less per step
         self.ring_depth = len(pool.slots)
         self.slot = 0  # the ring slot of the last round
-        self.arg = 0  # the last STEP or RESET round's arg (Worker.recover)
         self.leases = decoder.leases
         # Per slot, the lease region its last round of observations went to
         # (None: the slot's own columns); the last such round's, until read.
@@ -68,8 +71,7 @@ class RoundDriver:
         self.started = 0.0  # time.monotonic() of the last post (env_timeout)
         self.unfinished = False  # the last round's wait timed out
         self.recovered: dict[int, dict] = {}  # messages of replacement workers
-        self.reset_payloads: dict[int, tuple] = {}  # the last reset of each worker
-        self.reset_mask: np.ndarray | None = None  # that reset's mask
+        self.reset_mask: np.ndarray | None = None  # the last reset's mask
         self.before_slot_reuse: Callable[[int], None] = _nothing
 
     def next_slot(self) -> int:
@@ -94,19 +96,17 @@ class RoundDriver:
 
     def obs_views(self, slot: int) -> list:
         """The columns that the last round of observations into ``slot`` wrote."""
-        region = self.slot_regions[slot]
-        return self.pool.slots[slot].obs if region is None else self.leases.views[region]
+        region, leases = self.slot_regions[slot], self.leases
+        return (
+            self.pool.slots[slot].obs if region is None or leases is None else leases.views[region]
+        )
 
     def post(self, kind: int, arg: int = 0) -> None:
-        """Starts a round; async-mode workers sleep on their doorbells."""
+        """Starts a round, and tells the wire."""
         self.kind = kind
         self.started = time.monotonic()
-        if kind in (STEP, RESET):
-            self.arg = arg
         self.barrier.post(kind, arg)
-        if self.doorbells is not None:
-            for bell in self.doorbells:
-                bell.ring()
+        self.wire.posted(kind, arg)
 
     def send_blocks(self, tag: str, per_env: list, wrap: Callable = lambda block: block) -> None:
         """Sends each worker ``wrap(its block's slice of per_env)`` under ``tag``."""
@@ -120,8 +120,7 @@ class RoundDriver:
         for index, rows in enumerate(self.pool.blocks):
             block = slice(rows.start, rows.stop)
             block_mask = None if mask is None else mask[block]
-            self.reset_payloads[index] = (seeds[block], options[block], block_mask)
-            self.pool.send(index, "reset", self.reset_payloads[index])
+            self.wire.send_reset(index, (seeds[block], options[block], block_mask))
         self.reset_mask = None if mask is None else mask.copy()
         self.post(RESET, self.obs_arg(slot))
 
@@ -132,17 +131,18 @@ class RoundDriver:
         message, a late worker).
 
         The short path of ``ShmVectorEnv.step``, for sync mode without
-        ``env_timeout``: no doorbells, no round clock.
+        ``env_timeout``: no round clock.
         """
         slot = self.slot = (self.slot + 1) % self.ring_depth
         self.before_slot_reuse(slot)
         self.kind = STEP
         # obs_arg(slot) is slot without regions: a call fewer per step there.
-        self.arg = arg = slot if self.leases is None else self.obs_arg(slot)
+        arg = slot if self.leases is None else self.obs_arg(slot)
         barrier = self.barrier
         barrier.post(STEP, arg)
+        self.wire_posted(STEP, arg)
         if self.main_worker is not None:
-            self.main_worker.poll(False)
+            self.wire.serve_main_worker()
         waited = time.perf_counter()
         done = barrier.wait_done(self.main_spin_ns, LIVENESS_CHECK_NS)
         self.stats.wait_s += time.perf_counter() - waited
@@ -158,6 +158,7 @@ class RoundDriver:
             raise
         finally:
             self.kind = None  # no round pending: a restart now recovers as for a call
+            self.wire.ended()
         messages = self.collect_messages()
         if messages:
             raise_errors(messages.values(), self.decoder)
@@ -167,6 +168,7 @@ class RoundDriver:
         """Completes a round whose wait timed out, dropping its results."""
         if self.unfinished:
             self.kind = None
+            self.wire.ended()
             self.wait(timeout, "close" if timeout is not None else "step_wait")
             self.collect_messages()
             self.unfinished = False
@@ -194,7 +196,7 @@ class RoundDriver:
         barrier's count (the dead worker may or may not have arrived).
         """
         supervisor = self.supervisor
-        self.pool.run_main_worker(self.doorbells is not None)
+        self.wire.serve_main_worker()
         deadline = None if timeout is None else time.monotonic() + timeout
         if supervisor.env_timeout is None:  # the common case first: one wait, no checks
             budget = LIVENESS_CHECK_S if timeout is None else min(timeout, LIVENESS_CHECK_S)
@@ -206,10 +208,9 @@ class RoundDriver:
         restarted: dict[int, WorkerDiedError] = {}
 
         def ready(spin_ns: int, budget_ns: int) -> bool:
-            if self.doorbells is None:  # async mode times envs, in recv()
-                supervisor.kill_stuck_workers(self.started, restarted)
+            supervisor.kill_stuck_workers(self.started, restarted.keys())
             if restarted:
-                return supervisor.finished_except(restarted, budget_ns)
+                return self.finished_except(restarted, budget_ns)
             return self.barrier.wait_done(spin_ns, budget_ns)
 
         while True:
@@ -220,19 +221,53 @@ class RoundDriver:
                     remaining,
                     lambda: (
                         f"The call to `{name}` has timed out after {timeout} second(s). "
-                        f"Not finished: {supervisor.unfinished_workers()}."
+                        f"Not finished: {self.unfinished_workers()}."
                     ),
                 )
                 break
             except WorkerDiedError as error:
                 if not supervisor.restart_on_death or name == "close":
                     raise
-                supervisor.replace_worker(error.worker, self)
+                self._replaced(error.worker, supervisor.replace_worker(error.worker))
                 restarted[error.worker] = error
         if restarted and self.kind not in (None, STEP, RESET):
-            error = next(iter(restarted.values()))
-            add_note(error, f"the worker was restarted and its envs reset; `{name}` again")
-            raise error
+            died = next(iter(restarted.values()))
+            add_note(died, f"the worker was restarted and its envs reset; `{name}` again")
+            raise died
+
+    def _replaced(self, index: int, ready: dict) -> None:
+        """Worker ``index`` was replaced during this round: keeps what its
+        replacement recovered of the round (sync mode), and a RESET round's
+        mask names its envs, all new (none keeps its obs)."""
+        if "recovered" in ready:
+            self.recovered[index] = ready["recovered"]
+        if self.kind == RESET and self.reset_mask is not None:
+            rows = self.pool.blocks[index]
+            self.reset_mask[rows.start : rows.stop] = True
+
+    def unfinished_workers(self) -> str:
+        """The workers that have not finished the current round, and their env."""
+        pool = self.pool
+        generation = self.barrier.generation
+        late = []
+        for index, rows in enumerate(pool.blocks):
+            if pool.finished[index] != generation:
+                current = pool.current_env[index]
+                where = f", in env {current - 1}" if current else ""
+                late.append(f"worker {index} (envs {rows.start}..{rows.stop - 1}{where})")
+        return ", ".join(late) or "none (they finished as the wait ended)"
+
+    def finished_except(self, restarted: dict, budget_ns: int) -> bool:
+        """True once every worker but the ``restarted`` ones finished this round."""
+        finished = self.pool.finished
+        generation = self.barrier.generation
+        others = [i for i in range(self.pool.num_workers) if i not in restarted]
+        deadline = time.monotonic() + budget_ns / 1e9
+        while not all(finished[i] == generation for i in others):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0002)  # a round with a restart: no need for a futex
+        return True
 
 
 def _nothing(slot: int) -> None:

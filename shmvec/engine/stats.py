@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,7 @@ class Stats:
             )  # fmt: skip
 
     def report(
-        self, busy_ns: np.ndarray, cpu_s: list[float] = (), env_threads: list[int] = ()
+        self, busy_ns: np.ndarray, cpu_s: Sequence[float] = (), env_threads: Sequence[int] = ()
     ) -> dict[str, Any]:
         """The dict of ``ShmVectorEnv.stats()``; per worker: ``busy_ns`` (time
         serving commands), ``cpu_s`` (its process's CPU time) and ``env_threads``."""

@@ -4,7 +4,8 @@ Every wait of the main process (a round's end, an async batch) goes through
 ``wait_for``, which checks between futex waits that every worker lives.
 ``env_timeout`` kills a worker stuck past it (its death is then reported,
 naming the env); ``replace_worker`` brings a dead worker back under
-``on_worker_death="restart"``, in sync and async mode alike.
+``on_worker_death="restart"``. What a replacement restores is the wire's
+business (engine/wire.py): the supervisor only asks it.
 
 Who may call what: the main process's one thread.
 """
@@ -14,17 +15,13 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Set
 
 from shmvec.engine.decoder import ResultDecoder
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
-from shmvec.protocol import CALL, LIVENESS_CHECK_S, RESET, STEP
-
-if TYPE_CHECKING:
-    from shmvec.engine.async_engine import AsyncEngine
-    from shmvec.engine.rounds import RoundDriver
+from shmvec.engine.wire import Row, Wire
+from shmvec.protocol import LIVENESS_CHECK_S
 
 logger = logging.getLogger("shmvec")
 
@@ -36,6 +33,8 @@ class Supervisor:
         pool: the workers.
         decoder: keeps each worker's info schema for its replacement.
         stats: counts the wait and the restarts.
+        wire: the wire protocol, which says who is stuck and what a
+            replacement restores.
         main_spin_ns: how long the main process spins before it sleeps.
         env_timeout: seconds a worker may take (None: no limit).
         restart_on_death: ``on_worker_death="restart"``.
@@ -46,6 +45,7 @@ class Supervisor:
         pool: WorkerPool,
         decoder: ResultDecoder,
         stats: Stats,
+        wire: Wire,
         main_spin_ns: int,
         env_timeout: float | None,
         restart_on_death: bool,
@@ -53,10 +53,10 @@ class Supervisor:
         self.pool = pool
         self.decoder = decoder
         self.stats = stats
+        self.wire = wire
         self.main_spin_ns = main_spin_ns
         self.env_timeout = env_timeout
         self.restart_on_death = restart_on_death
-        self.async_engine: AsyncEngine | None = None  # set by the async engine
 
     def wait_for(
         self, ready: Callable[[int, int], bool], timeout: float | None, why: Callable[[], str]
@@ -79,49 +79,15 @@ class Supervisor:
         finally:
             self.stats.wait_s += time.perf_counter() - waited
 
-    def unfinished_workers(self) -> str:
-        """The workers that have not finished the current round, and their env."""
-        pool = self.pool
-        generation = pool.barrier.generation
-        late = []
-        for index, rows in enumerate(pool.blocks):
-            if pool.finished[index] != generation:
-                current = pool.current_env[index]
-                where = f", in env {current - 1}" if current else ""
-                late.append(f"worker {index} (envs {rows.start}..{rows.stop - 1}{where})")
-        return ", ".join(late) or "none (they finished as the wait ended)"
-
-    def finished_except(self, restarted: dict, budget_ns: int) -> bool:
-        """True once every worker but the ``restarted`` ones finished this round."""
-        finished = self.pool.finished
-        generation = self.pool.barrier.generation
-        others = [i for i in range(self.pool.num_workers) if i not in restarted]
-        deadline = time.monotonic() + budget_ns / 1e9
-        while not all(finished[i] == generation for i in others):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.0002)  # a round with a restart: no need for a futex
-        return True
-
-    def kill_stuck_workers(self, round_started: float, spared=()) -> None:
-        """``env_timeout``: kills the workers past it: in sync mode those still in
-        the round posted at ``round_started``, in async mode those still in the
-        env they began."""
+    def kill_stuck_workers(self, round_started: float, spared: Set[int] = frozenset()) -> None:
+        """``env_timeout``: kills the workers the wire finds past it (those still
+        in the round posted at ``round_started``, or in the env they began),
+        but not ``spared`` ones nor the main process."""
         if self.env_timeout is None:
             return
         pool = self.pool
         current = pool.current_env
-        workers = range(pool.num_workers)
-        if self.async_engine is not None:
-            started = pool.env_started_ns
-            limit_ns = time.monotonic_ns() - int(self.env_timeout * 1e9)
-            late = [i for i in workers if current[i] and started[i] < limit_ns]
-        elif time.monotonic() - round_started >= self.env_timeout:
-            generation = pool.barrier.generation
-            late = [i for i in workers if pool.finished[i] != generation]
-        else:
-            return
-        for index in late:
+        for index in self.wire.stuck_workers(round_started, self.env_timeout):
             process = pool.workers[index]
             if index in spared or process is pool.main_worker or process.exitcode is not None:
                 continue
@@ -130,46 +96,26 @@ class Supervisor:
             why = f"killed by shmvec: stuck in {where} for more than env_timeout={limit} s"
             pool.kill(index, why)
 
-    def replace_worker(
-        self, index: int, rounds: RoundDriver, read: frozenset | set = frozenset()
-    ) -> None:
-        """``on_worker_death="restart"``: replaces dead worker ``index``.
-
-        Sync mode: the replacement recovers the round being finished
-        (``Worker.recover``). Async mode: each of its envs still running
-        delivers exactly one result (``AsyncEngine.recovery_plan``); ``read``
-        are the (slot, row)s whose messages main already has.
-        """
-        pool, engine = self.pool, self.async_engine
-        rows = pool.blocks[index]
-        if engine is not None:
-            pool.workers[index].join(1.0)
-            pool.drain(index)  # its row messages outlive it
-            engine.quiesce(index)
-            recover = ("async", engine.recovery_plan(index, read))
-            kind = None
-        else:
-            kind = rounds.kind if rounds.kind in (STEP, RESET) else CALL
-            recover = (kind, rounds.arg if kind in (STEP, RESET) else rounds.slot)
+    def replace_worker(self, dead: int, read: Set[Row] = frozenset()) -> dict:
+        """``on_worker_death="restart"``: replaces dead worker ``dead``; the wire
+        says what the replacement must deliver first (``Wire.recovery``;
+        ``read``: the ring rows whose messages main already has). Returns the
+        replacement's ready message."""
+        pool, wire = self.pool, self.wire
+        recover = wire.recovery(dead, read)
         pool.replace(
-            index,
+            dead,
             generation=pool.barrier.generation,
             recover=recover,
-            info_schema=dict(self.decoder.schemas[index]),
+            info_schema=dict(self.decoder.schemas[dead]),
         )
-        if engine is not None:
-            engine.resend_resets(index)
-        elif kind == RESET:
-            pool.send(index, "reset", rounds.reset_payloads[index])
-            if rounds.reset_mask is not None:  # its envs are all new: none keeps its obs
-                rounds.reset_mask[rows.start : rows.stop] = True
-        message = pool.expect_ready(index, f"while restarting shmvec worker {index};")
-        if engine is not None:
-            engine.doorbells[index].ring()
-        else:
-            rounds.recovered[index] = message.get("recovered", {})
+        wire.resend(dead)
+        message = pool.expect_ready(dead, f"while restarting shmvec worker {dead};")
+        wire.restarted(dead)
         self.stats.restarts += 1
+        rows = pool.blocks[dead]
         logger.warning(
             "restarted worker %d (pid %d) for envs %d..%d",
-            index, pool.workers[index].pid, rows.start, rows.stop - 1,
+            dead, pool.workers[dead].pid, rows.start, rows.stop - 1,
         )  # fmt: skip
+        return message

@@ -1,0 +1,249 @@
+"""AsyncWire: env commands, doorbells and the result ring (``batch_size < num_envs``).
+
+Data flow: ``start`` writes each env's command (shmvec/protocol.py, env
+commands) and rings the doorbell of every worker owning one
+(``_worker_loop.EnvBook`` keeps these books in C loops); a worker steps each
+env with a command, claims the next row of the result ring
+(csrc/result_ring.h), writes the result and the env id there and publishes the
+row; main waits until a slot's rows are all published (``AsyncEngine.recv``)
+and hands the slot back (``release_slot``) on its next ``recv``. Barrier
+rounds (``call``, ``set_attr``, ``close``) ring every doorbell (``posted``),
+since idle workers sleep on theirs.
+
+Recovery: the replacement of a dead worker delivers exactly one result for
+each env of its block still running (``recovery_plan``).
+
+Who may call what: the main process's one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Set
+from typing import Any
+
+import numpy as np
+
+from shmvec import _core, _worker_loop
+from shmvec.engine.decoder import ResultDecoder
+from shmvec.engine.pool import WorkerPool
+from shmvec.engine.wire import Row
+from shmvec.protocol import ENV_IDLE, UNWRITTEN
+
+
+class AsyncWire:
+    """The ring, the doorbells and the env commands of one segment.
+
+    Args:
+        batch_size: rows per ring slot.
+        pool: the workers (segment open; built before they start, since it
+            marks every ring row unwritten).
+        decoder: its lease regions and whether results are copies.
+    """
+
+    def __init__(self, batch_size: int, pool: WorkerPool, decoder: ResultDecoder) -> None:
+        layout, segment = pool.layout, pool.segment
+        self.pool, self.decoder = pool, decoder
+        self.batch_size = batch_size
+        self.num_envs = num_envs = layout.num_envs
+        self.ring = _core.ResultRing(segment, layout.ring_offset, layout.num_slots, batch_size)
+        self.doorbells = [_core.Doorbell(segment, off) for off in layout.doorbell_offsets]
+        self.env_commands = layout.env_commands(memoryview(segment))
+        self.env_worker = np.empty(num_envs, dtype=np.int64)
+        for index, rows in enumerate(pool.blocks):
+            self.env_worker[rows.start : rows.stop] = index
+        # Envs whose last result the user has (or that were never reset).
+        self.awaiting = np.ones(num_envs, dtype=bool)
+        # For a replacement: rows consumed so far (claims before this one are
+        # done with), each env's last command and reset arguments.
+        self.consumed_rows = 0
+        self.last_command = np.zeros(num_envs, dtype=np.uint8)
+        self.resets: dict[int, tuple] = {}
+        self.book = _worker_loop.EnvBook(
+            self.awaiting.view(np.uint8), self.env_commands, self.last_command, self.env_worker,
+            [segment.address + offset for offset in layout.doorbell_offsets],
+        )  # fmt: skip
+        # Lease regions (engine/leases.py): each ring slot is bound to a free
+        # one while results are copies, rebound whenever main releases it.
+        self.leases = decoder.leases
+        self.slot_regions = layout.slot_regions(memoryview(segment))
+        self.bound: list[int | None] = [None] * len(pool.slots)  # not yet read
+        for slot, views in enumerate(pool.slots):
+            views.env_ids[:] = UNWRITTEN
+            self._bind_region(slot)
+
+    # ------------------------------------------------------------- the ring
+
+    def start(self, env_ids: np.ndarray, command: int) -> None:
+        """Gives each env of ``env_ids`` (int64, checked) ``command`` and rings
+        their workers."""
+        self.book.start(env_ids, command)
+
+    def received(self, slot: int) -> np.ndarray:
+        """The env ids of full slot ``slot`` (int64), which await commands again."""
+        self.consumed_rows += self.batch_size
+        return self.book.received(self.pool.slots[slot].env_ids)
+
+    def take_region(self, slot: int) -> int | None:
+        """The lease region that slot ``slot``'s observations were written to
+        (None: its own columns); the caller's arrays hold it from now on."""
+        region, self.bound[slot] = self.bound[slot], None
+        return region
+
+    def release_slot(self, slot: int) -> None:
+        """Hands slot ``slot`` back to the workers, its rows unwritten."""
+        self.pool.slots[slot].env_ids[:] = UNWRITTEN
+        self._bind_region(slot)
+        self.ring.release(slot)  # publishes the two lines above
+
+    def _bind_region(self, slot: int) -> None:
+        """Binds ``slot``, whose rows no worker may claim now, to a free lease
+        region while results are copies (else to its own columns); a region it
+        was bound to and whose rows were never read is free again."""
+        if self.leases is None:
+            return
+        region = self.leases.next_region(self.bound[slot], self.decoder.copy)
+        self.bound[slot] = region
+        self.slot_regions[slot] = 0 if region is None else region + 1
+
+    # ------------------------------------------------------------ the wire
+
+    def posted(self, kind: int, arg: int) -> None:
+        """Rings every doorbell: idle workers sleep on theirs."""
+        for bell in self.doorbells:
+            bell.ring()
+
+    def ended(self) -> None:
+        """Nothing: a barrier round here carries no env's result."""
+
+    def send_reset(self, index: int, payload: Any) -> None:
+        """``payload``: env -> (seed, options), for envs of worker ``index``."""
+        self.resets.update(payload)
+        self.pool.send(index, "reset", payload)
+
+    def serve_main_worker(self) -> None:
+        self.pool.run_main_worker(True)
+
+    def stuck_workers(self, round_started: float, env_timeout: float) -> list[int]:
+        """The workers in an env they began more than ``env_timeout`` ago."""
+        pool = self.pool
+        current, started = pool.current_env, pool.env_started_ns
+        limit_ns = time.monotonic_ns() - int(env_timeout * 1e9)
+        return [i for i in range(pool.num_workers) if current[i] and started[i] < limit_ns]
+
+    def recovery(self, dead: int, read: Set[Row]) -> tuple:
+        """``("async", plan)``, once every other worker has done all it was given."""
+        self.pool.workers[dead].join(1.0)
+        self.pool.drain(dead)  # its row messages outlive it
+        self.quiesce(dead)
+        return ("async", self.recovery_plan(dead, read))
+
+    def resend(self, index: int) -> None:
+        """Sends the replacement the resets its running envs wait for."""
+        running = [e for e in self.pool.blocks[index] if not self.awaiting[e]]
+        resets = {e: self.resets[e] for e in running if e in self.resets}
+        if resets:
+            self.pool.send(index, "reset", resets)
+
+    def restarted(self, index: int) -> None:
+        """Rings the replacement's doorbell: its envs may have commands."""
+        self.doorbells[index].ring()
+
+    # ------------------------------------------------------------- recovery
+
+    def quiesce(self, dead: int) -> None:
+        """Waits until every worker but ``dead`` has finished every env it was
+        given (their commands clear, none in an env), reading their pipes so
+        that none blocks on a full one."""
+        pool = self.pool
+        while True:
+            pool.run_main_worker(True)
+            busy = [
+                index
+                for index, rows in enumerate(pool.blocks)
+                if index != dead
+                and (pool.current_env[index] or self.env_commands[rows.start : rows.stop].any())
+            ]
+            if not busy:
+                return
+            for index in busy:
+                pool.check_alive(index)
+                pool.drain(index)
+            time.sleep(0.0002)
+
+    def recovery_plan(self, dead: int, read: Set[Row]) -> dict[int, tuple]:
+        """What the replacement of ``dead`` must deliver: env -> (how, slot, row,
+        command), ``how`` one of "hole", "claim", "rewrite" (Worker.recover_async).
+
+        Once the other workers have done all they were given, the ring tells
+        what the dead worker left: rows it published (their messages are read
+        from its pipe, which outlives it), at most one row it claimed but never
+        published (a hole that would keep its slot from filling), and at most
+        one env whose command it took but whose row it never claimed. Every
+        other env of its block reports a truncated episode for its next command.
+        """
+        where, hole, hole_env = self._unconsumed_rows(dead)
+        plan: dict[int, tuple] = {}
+        for env in self.pool.blocks[dead]:
+            command = int(self.last_command[env])
+            if self.awaiting[env] or self.env_commands[env] != ENV_IDLE:
+                continue  # idle, or not started: the replacement's first command does it
+            if env == hole_env and hole is not None:
+                plan[env] = ("hole", *hole, command)
+            elif env in where:
+                slot, row = where[env]
+                if self._message_lost(dead, slot, row, read):
+                    plan[env] = ("rewrite", slot, row, command)
+            else:
+                plan[env] = ("claim", 0, 0, command)
+        if hole is not None and hole_env is None:
+            claims = [env for env, how in plan.items() if how[0] == "claim"]
+            if len(claims) != 1:
+                raise RuntimeError(
+                    f"shmvec internal error: an unwritten row and envs {claims} without one"
+                )
+            plan[claims[0]] = ("hole", *hole, plan[claims[0]][3])
+        return plan
+
+    def _unconsumed_rows(self, dead: int) -> tuple[dict[int, Row], Row | None, int | None]:
+        """The rows claimed since the last consumed one: (env -> its row, the
+        unpublished row if any, the env of ``dead`` whose row that is if written)."""
+        pool = self.pool
+        batch, slots = self.batch_size, len(pool.slots)
+        first, claimed = self.consumed_rows, self.ring.claimed()
+        block = pool.blocks[dead]
+        where: dict[int, Row] = {}
+        unwritten: list[Row] = []
+        last_of_dead: int | None = None
+        per_slot: dict[int, int] = {}
+        for n in range(first, claimed):
+            slot, row = (n // batch) % slots, n % batch
+            per_slot[slot] = per_slot.get(slot, 0) + 1
+            env = int(pool.slots[slot].env_ids[row])
+            if env == UNWRITTEN:
+                unwritten.append((slot, row))
+            else:
+                where[env] = (slot, row)
+                if env in block:
+                    last_of_dead = env
+        holes = (claimed - first) - sum(self.ring.filled(s) for s in per_slot)
+        if holes not in (0, 1) or len(unwritten) > holes:
+            raise RuntimeError(
+                f"shmvec internal error: {holes} unpublished rows, {len(unwritten)} unwritten, "
+                f"after worker {dead} died"
+            )
+        if not holes:  # the dead worker's last claim, if any, was published
+            return where, None, None
+        if unwritten:
+            return where, unwritten[0], None
+        if last_of_dead is None:
+            raise RuntimeError(f"shmvec internal error: a written hole after worker {dead} died")
+        return where, where.pop(last_of_dead), last_of_dead
+
+    def _message_lost(self, dead: int, slot: int, row: int, read: Set[Row]) -> bool:
+        """Whether row (slot, row), published by ``dead``, has a message that
+        neither main (``read``) nor its pipe's stash holds."""
+        return bool(self.pool.slots[slot].messages[row]) and not (
+            (slot, row) in read
+            or any(m["row"] == (slot, row) for m in self.pool.stashed[dead][True])
+        )

@@ -1,0 +1,209 @@
+"""What a dead worker's replacement must deliver, read from the wire's state.
+
+The workers' side of the ring (claim a row, write its env id, publish) is
+played by the test, in the main process, so each case is one exact state:
+no process runs and nothing depends on the scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from gymnasium import spaces
+
+from shmvec.batching import split_blocks
+from shmvec.engine.async_wire import AsyncWire
+from shmvec.engine.decoder import ResultDecoder
+from shmvec.engine.options import EngineOptions
+from shmvec.engine.pool import WorkerPool
+from shmvec.engine.sync_wire import SyncWire
+from shmvec.layout import make_codec
+from shmvec.protocol import CALL, ENV_IDLE, ENV_RESET, ENV_STEP, RESET, SET_ATTR, STEP
+from shmvec.worker import WorkerSpec
+
+OBS_SPACE = spaces.Box(-1.0, 1.0, (3,), np.float32)
+
+
+def _pool(num_envs: int, num_workers: int, batch_size: int, num_slots: int = 2) -> WorkerPool:
+    """A pool with its segment open and no worker started."""
+    spec = WorkerSpec(
+        index=0, first_env=0, env_fns=[], num_envs=num_envs, num_workers=num_workers,
+        num_slots=num_slots, batch_size=batch_size, observation_space=OBS_SPACE,
+        action_space=spaces.Discrete(2), observation_mode="same", shared_memory=True,
+        autoreset_mode=0, spin_ns=0, main_pid=os.getpid(), use_death_signal=False,
+    )  # fmt: skip
+    blocks = split_blocks(num_envs, num_workers)
+    pool = WorkerPool(spec, [None] * num_envs, blocks, EngineOptions(in_process=True))
+    pool.open()
+    return pool
+
+
+def _async_wire(num_envs: int = 4, num_workers: int = 2, batch_size: int = 2) -> AsyncWire:
+    pool = _pool(num_envs, num_workers, batch_size)
+    decoder = ResultDecoder(make_codec(OBS_SPACE), pool.slots, pool.blocks, True, None)
+    return AsyncWire(batch_size, pool, decoder)
+
+
+class WorkerStandIn:
+    """Plays a worker's part of the async wire: take an env's command, claim a
+    row, write the env id (and message flag), publish."""
+
+    def __init__(self, wire: AsyncWire) -> None:
+        self.wire = wire
+
+    def take(self, env: int) -> None:
+        self.wire.env_commands[env] = ENV_IDLE
+
+    def claim(self, env: int | None = None) -> tuple[int, int]:
+        slot, row = self.wire.ring.claim()
+        if env is not None:
+            self.wire.pool.slots[slot].env_ids[row] = env
+        return slot, row
+
+    def deliver(self, env: int, message: bool = False) -> tuple[int, int]:
+        self.take(env)
+        slot, row = self.claim(env)
+        self.wire.pool.slots[slot].messages[row] = int(message)
+        self.wire.ring.publish(slot)
+        return slot, row
+
+
+def test_a_claimed_unwritten_row_is_filled_by_the_env_that_lost_its_result():
+    # Worker 0 (envs 0, 1) took env 0's command, claimed a row and died before
+    # writing it; env 1's command is still queued. Worker 1 delivered both its envs.
+    wire = _async_wire()
+    wire.start(np.arange(4, dtype=np.int64), ENV_STEP)
+    worker = WorkerStandIn(wire)
+    worker.deliver(2)
+    worker.take(0)
+    hole = worker.claim()  # env id never written
+    worker.deliver(3)
+    assert hole == (0, 1)
+    plan = wire.recovery_plan(0, frozenset())
+    # env 0 fills the hole; env 1 is left to its queued command.
+    assert plan == {0: ("hole", 0, 1, ENV_STEP)}
+
+
+def test_a_written_unpublished_row_is_filled_by_its_own_env():
+    wire = _async_wire()
+    wire.start(np.arange(4, dtype=np.int64), ENV_STEP)
+    worker = WorkerStandIn(wire)
+    worker.deliver(2)
+    worker.take(1)
+    worker.claim(1)  # env id written, row never published
+    assert wire.recovery_plan(0, frozenset()) == {1: ("hole", 0, 1, ENV_STEP)}
+
+
+def test_an_env_whose_command_was_taken_but_no_row_claimed_claims_one():
+    wire = _async_wire()
+    wire.start(np.array([0, 2], dtype=np.int64), ENV_RESET)
+    worker = WorkerStandIn(wire)
+    worker.deliver(2)
+    worker.take(0)  # the dead worker took it, then died before claiming
+    assert wire.recovery_plan(0, frozenset()) == {0: ("claim", 0, 0, ENV_RESET)}
+
+
+def test_published_rows_are_kept_unless_their_message_was_lost():
+    wire = _async_wire(num_envs=6, num_workers=2, batch_size=3)
+    wire.start(np.arange(6, dtype=np.int64), ENV_STEP)
+    worker = WorkerStandIn(wire)
+    plain = worker.deliver(0)  # no message: nothing to redo
+    read = worker.deliver(1, message=True)  # main read its message already
+    lost = worker.deliver(2, message=True)  # its message died with the worker
+    assert (plain, read, lost) == ((0, 0), (0, 1), (0, 2))
+    plan = wire.recovery_plan(0, {read})
+    assert plan == {2: ("rewrite", 0, 2, ENV_STEP)}
+
+
+def test_a_message_still_in_the_dead_workers_pipe_is_not_lost():
+    wire = _async_wire(num_envs=6, num_workers=2, batch_size=3)
+    wire.start(np.arange(6, dtype=np.int64), ENV_STEP)
+    row = WorkerStandIn(wire).deliver(1, message=True)
+    wire.pool.stashed[0][True].append({"row": row, "infos": []})
+    assert wire.recovery_plan(0, frozenset()) == {}
+
+
+def test_consumed_rows_are_done_with():
+    # A batch main has received is not looked at again: its envs await commands.
+    wire = _async_wire()
+    wire.start(np.arange(4, dtype=np.int64), ENV_STEP)
+    worker = WorkerStandIn(wire)
+    worker.deliver(0, message=True)
+    worker.deliver(2, message=True)
+    assert wire.received(0).tolist() == [0, 2]
+    wire.start(np.array([0], dtype=np.int64), ENV_STEP)
+    worker.take(0)  # running again, no row yet
+    assert wire.recovery_plan(0, frozenset()) == {0: ("claim", 0, 0, ENV_STEP)}
+
+
+def test_more_than_one_unpublished_row_is_an_internal_error():
+    wire = _async_wire()
+    wire.start(np.arange(4, dtype=np.int64), ENV_STEP)
+    worker = WorkerStandIn(wire)
+    worker.take(0)
+    worker.claim()
+    worker.take(1)
+    worker.claim()
+    with pytest.raises(RuntimeError, match="2 unpublished rows"):
+        wire.recovery_plan(0, frozenset())
+
+
+def test_async_resend_gives_running_envs_their_last_reset():
+    wire = _async_wire()
+    sent = []
+    wire.pool.send = lambda index, tag, payload: sent.append((index, tag, payload))
+    wire.send_reset(0, {0: (7, None), 1: (8, {"a": 1})})
+    wire.start(np.array([1], dtype=np.int64), ENV_RESET)  # env 0 stays idle
+    sent.clear()
+    wire.resend(0)
+    assert sent == [(0, "reset", {1: (8, {"a": 1})})]
+
+
+class PoolStandIn:
+    """What SyncWire uses of a pool: sends, and the barrier's words."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.sent: list[tuple] = []
+        self.finished = np.zeros(num_workers, dtype=np.uint32)
+        self.barrier = type("Barrier", (), {"generation": 3})()
+
+    def send(self, index: int, tag: str, payload) -> None:
+        self.sent.append((index, tag, payload))
+
+
+def test_sync_recovery_redoes_the_step_or_reset_round_pending():
+    wire = SyncWire(PoolStandIn(2))
+    wire.posted(STEP, 5)
+    assert wire.recovery(1, frozenset()) == (STEP, 5)
+    wire.ended()
+    assert wire.recovery(1, frozenset()) == (CALL, 5)  # no round: its envs only reset
+    wire.posted(RESET, 6 | 2 << 16)  # slot 6, a lease region
+    assert wire.recovery(1, frozenset()) == (RESET, 6 | 2 << 16)
+    wire.posted(SET_ATTR, 0)  # any other round: as a call into the last slot
+    assert wire.recovery(1, frozenset()) == (CALL, 6)
+
+
+def test_sync_resend_repeats_a_pending_reset_only():
+    pool = PoolStandIn(2)
+    wire = SyncWire(pool)
+    wire.send_reset(0, ("seeds 0", "options 0", None))
+    wire.send_reset(1, ("seeds 1", "options 1", None))
+    wire.posted(RESET, 0)
+    pool.sent.clear()
+    wire.resend(1)
+    assert pool.sent == [(1, "reset", ("seeds 1", "options 1", None))]
+    wire.posted(STEP, 1)
+    wire.resend(1)
+    assert len(pool.sent) == 1
+
+
+def test_sync_stuck_workers_are_those_unfinished_past_the_timeout():
+    pool = PoolStandIn(3)
+    pool.finished[:] = [3, 2, 3]  # worker 1 has not finished generation 3
+    wire = SyncWire(pool)
+    assert wire.stuck_workers(round_started=0.0, env_timeout=1.0) == [1]
+    assert wire.stuck_workers(round_started=time.monotonic(), env_timeout=60.0) == []

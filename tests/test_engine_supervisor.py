@@ -1,0 +1,152 @@
+"""Supervisor: deaths noticed while waiting, env_timeout kills, restarts.
+
+Worker processes are stand-ins with an ``exitcode``, so a death is a state the
+test sets, not an event it waits for.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+from gymnasium import spaces
+
+from shmvec.batching import split_blocks
+from shmvec.engine.options import EngineOptions
+from shmvec.engine.pool import WorkerPool
+from shmvec.engine.stats import Stats
+from shmvec.engine.supervisor import Supervisor
+from shmvec.errors import WorkerDiedError
+from shmvec.worker import WorkerSpec
+
+
+class ProcessStandIn:
+    """A worker process that the test kills (``exitcode``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+
+    def kill(self) -> None:
+        self.exitcode = -9
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class WireStandIn:
+    """Records what the supervisor asks of the wire, in order."""
+
+    def __init__(self, log: list, stuck: list[int] = ()) -> None:
+        self.log = log
+        self.stuck = list(stuck)
+
+    def stuck_workers(self, round_started: float, env_timeout: float) -> list[int]:
+        self.log.append(("stuck_workers", env_timeout))
+        return self.stuck
+
+    def recovery(self, dead: int, read) -> tuple:
+        self.log.append(("recovery", dead, set(read)))
+        return ("plan for", dead)
+
+    def resend(self, index: int) -> None:
+        self.log.append(("resend", index))
+
+    def restarted(self, index: int) -> None:
+        self.log.append(("restarted", index))
+
+
+class DecoderStandIn:
+    def __init__(self, num_workers: int) -> None:
+        self.schemas = [{f"key{i}": i} for i in range(num_workers)]
+
+
+def _pool(num_envs: int = 6, num_workers: int = 3) -> WorkerPool:
+    """A pool with its segment open and stand-ins for its worker processes."""
+    spec = WorkerSpec(
+        index=0, first_env=0, env_fns=[], num_envs=num_envs, num_workers=num_workers,
+        num_slots=2, batch_size=num_envs, observation_space=spaces.Discrete(3),
+        action_space=spaces.Discrete(2), observation_mode="same", shared_memory=True,
+        autoreset_mode=0, spin_ns=0, main_pid=os.getpid(), use_death_signal=False,
+    )  # fmt: skip
+    blocks = split_blocks(num_envs, num_workers)
+    pool = WorkerPool(spec, [None] * num_envs, blocks, EngineOptions(in_process=True))
+    pool.open()
+    pool.workers = [ProcessStandIn(1000 + i) for i in range(num_workers)]
+    return pool
+
+
+def _supervisor(pool, wire, env_timeout=None, restart=False) -> Supervisor:
+    return Supervisor(
+        pool, DecoderStandIn(pool.num_workers), Stats(), wire, 0, env_timeout, restart
+    )
+
+
+def test_a_death_during_a_wait_names_the_worker_and_its_envs():
+    pool = _pool()
+    supervisor = _supervisor(pool, WireStandIn([]))
+    pool.workers[1].exitcode = -9
+    with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid 1001, envs 2\.\.3\) killed by") as e:
+        supervisor.wait_for(lambda spin_ns, budget_ns: False, None, lambda: "unused")
+    assert (e.value.worker, e.value.env_ids, e.value.exitcode) == (1, range(2, 4), -9)
+
+
+def test_a_wait_ends_when_ready_and_times_out_with_why():
+    pool = _pool()
+    supervisor = _supervisor(pool, WireStandIn([]))
+    calls = []
+    supervisor.wait_for(lambda spin_ns, budget_ns: calls.append(budget_ns) or True, 5.0, str)
+    assert len(calls) == 1 and 0 < calls[0] <= 5e9
+    with pytest.raises(multiprocessing.TimeoutError, match="still waiting for worker 2"):
+        supervisor.wait_for(lambda s, b: False, 0.0, lambda: "still waiting for worker 2")
+
+
+def test_env_timeout_kills_the_stuck_workers_the_wire_names_but_spares_some():
+    pool = _pool()
+    pool.current_env[:] = [2, 0, 6]  # 1 + the env each is in
+    pool.workers[2].exitcode = 1  # already gone: nothing to kill
+    log: list = []
+    supervisor = _supervisor(pool, WireStandIn(log, stuck=[0, 1, 2]), env_timeout=0.5)
+    supervisor.kill_stuck_workers(0.0, spared={1})
+    assert log == [("stuck_workers", 0.5)]
+    assert [p.exitcode for p in pool.workers] == [-9, None, 1]
+    with pytest.raises(WorkerDiedError) as e:
+        pool.check_alive(0)
+    assert "stuck in env 1 for more than env_timeout=0.5 s" in "".join(e.value.__notes__)
+
+
+def test_no_env_timeout_asks_nothing_and_kills_nothing():
+    pool = _pool()
+    log: list = []
+    _supervisor(pool, WireStandIn(log, stuck=[0])).kill_stuck_workers(0.0)
+    assert log == [] and pool.workers[0].exitcode is None
+
+
+def test_replace_worker_restores_what_the_wire_says_in_order():
+    pool = _pool()
+    log: list = []
+    replaced = {}
+
+    def replace(index, **changes):
+        log.append(("replace", index))
+        replaced.update(changes)
+
+    pool.replace = replace
+    pool.expect_ready = lambda index, who: log.append(("ready", index)) or {"ready": 1}
+    supervisor = _supervisor(pool, WireStandIn(log), restart=True)
+    message = supervisor.replace_worker(2, {(0, 1)})
+    assert log == [
+        ("recovery", 2, {(0, 1)}),
+        ("replace", 2),
+        ("resend", 2),
+        ("ready", 2),
+        ("restarted", 2),
+    ]
+    assert replaced == {
+        "generation": pool.barrier.generation,
+        "recover": ("plan for", 2),
+        "info_schema": {"key2": 2},  # the dead worker's info columns, kept
+    }
+    assert message == {"ready": 1}
+    assert supervisor.stats.restarts == 1
