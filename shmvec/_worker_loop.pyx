@@ -274,8 +274,8 @@ cdef class RegionLease:
 cdef class Stepper:
     """Steps one env under an autoreset mode and writes its results into a row.
 
-    Shared by the sync block loop (``step_envs``) and the async engine
-    (``step_pending``). Action rows are env ids; result rows are env ids in
+    Shared by the sync block loop (``Block.step_block``) and the async one
+    (``Block.step_pending``). Action rows are env ids; result rows are env ids in
     sync mode and claimed ring rows in async mode.
     """
 
@@ -310,17 +310,11 @@ cdef class Stepper:
         return self.action_codec.read(action_views, env_id)
 
     cdef tuple step_one(self, object env, list action_views, Py_ssize_t env_id,
-                        bint reset_first, object on_error, Py_ssize_t i):
-        """Reads env ``env_id``'s action and ``advance``s it; an exception is
-        ``on_error(i, exc)``'s result (``on_env_error="reset"``) or raised."""
-        try:
-            action = None if (self.mode == NEXT_STEP and reset_first) \
-                else self.read_action(action_views, env_id)
-            return self.advance(env, action, reset_first)
-        except Exception as exc:  # noqa: BLE001
-            if on_error is None:
-                raise
-            return on_error(i, exc)
+                        bint reset_first):
+        """Reads env ``env_id``'s action and ``advance``s it."""
+        action = None if (self.mode == NEXT_STEP and reset_first) \
+            else self.read_action(action_views, env_id)
+        return self.advance(env, action, reset_first)
 
     cdef tuple advance(self, object env, object action, bint reset_first):
         """(obs, reward, terminated, truncated, infos to merge or None)."""
@@ -403,167 +397,11 @@ cdef bint _copy_row(object column, Py_ssize_t row, object value, Py_ssize_t nbyt
     return True
 
 
-def step_envs(
-    Stepper stepper,
-    list envs,
-    Py_ssize_t first_row,
-    list action_views,
-    object obs_views,
-    SlotColumns slot,
-    uint8_t[::1] autoreset,
-    InfoColumns info_columns,
-    uint32_t[::1] current_env,
-    object on_error=None,
-):
-    """Sync mode: steps ``envs`` (rows ``first_row ...``) and writes their results
-    into ``slot``.
-
-    ``action_views`` are the action slab's columns, or, for a pickled action
-    space, a list of per-env actions. ``obs_views`` are the slot's observation
-    columns, or a dict that collects pickled observations. ``autoreset``
-    holds, per env of the block, whether its previous step ended an episode
-    (NEXT_STEP mode resets it now instead of stepping).
-
-    Returns ``(infos, errors, announced)``: ``infos`` is a list of ``(row,
-    [info, ...])`` for envs with something to pickle, in row order, each list
-    merged in order with ``VectorEnv._add_info``; numeric scalar infos go to
-    ``info_columns`` instead, and ``announced`` lists the ``(key, column)``
-    pairs new this round. ``errors`` is a list of ``(row, exception,
-    traceback_text)``. An env that raised keeps its previous results, unless
-    ``on_error(i, exc)`` (``on_env_error="reset"``) gives a result to report
-    instead: the env, reset, ends a truncated episode.
-    ``current_env[0]`` says which env runs (1 + its row; 0 after the block), so
-    that a timeout can name it.
-    """
-    return _step_block(stepper, envs, first_row, action_views, obs_views, slot, autoreset,
-                       info_columns, current_env, on_error)
-
-
-cdef tuple _step_block(Stepper stepper, list envs, Py_ssize_t first_row, list action_views,
-                       object obs_views, SlotColumns slot, uint8_t[::1] autoreset,
-                       InfoColumns info_columns, uint32_t[::1] current_env, object on_error):
-    cdef Py_ssize_t i, row
-    cdef list infos = []
-    cdef list errors = []
-    cdef list announced = []
-    cdef tuple result
-    for i in range(len(envs)):
-        row = first_row + i
-        current_env[0] = row + 1
-        info_columns.clear(row)
-        try:
-            try:
-                result = stepper.step_one(envs[i], action_views, row, autoreset[i], None, i)
-                stepper.write(obs_views, slot.rewards, slot.terminations, slot.truncations,
-                              row, result)
-            except Exception as exc:  # noqa: BLE001 - a failed write resets too
-                if on_error is None:
-                    raise
-                result = on_error(i, exc)
-                stepper.write(obs_views, slot.rewards, slot.terminations, slot.truncations,
-                              row, result)
-            autoreset[i] = 1 if (result[2] or result[3]) else 0
-            merged = pickled_infos(result, info_columns, row, announced)
-            if merged is not None:
-                infos.append((row, merged))
-        except Exception as exc:  # noqa: BLE001 - re-raised in the main process
-            errors.append((row, exc, _format_exc()))
-    current_env[0] = 0
-    return infos, errors, announced
-
-
 cdef uint64_t _now_ns() noexcept nogil:
     """CLOCK_MONOTONIC in ns (``time.perf_counter_ns`` on Linux)."""
     cdef timespec now
     clock_gettime(CLOCK_MONOTONIC, &now)
     return <uint64_t>now.tv_sec * 1000000000 + <uint64_t>now.tv_nsec
-
-
-cdef class SerialRounds:
-    """A worker's plain sync STEP rounds (actions in the slab, observations in
-    columns, the Cython loop), run here with no Python frame a round.
-
-    ``serve`` does what ``Worker.serve`` and ``Worker._run_command`` do for
-    such a round (a fifth of a no-op env's round trip was those frames):
-    step the block, publish the worker's words, arrive, send a message if
-    the round has one (``message(infos, errors, obs_views, announced)``
-    builds it, ``send(message)`` sends it). Any other command goes back to
-    the Python loop.
-    """
-
-    cdef WorkerBarrier barrier
-    cdef Stepper stepper
-    cdef list envs, action_views, slots, regions, info_columns
-    cdef Py_ssize_t first_row
-    cdef uint8_t[::1] autoreset
-    cdef uint32_t[::1] flag
-    cdef uint32_t[::1] current_env
-    cdef uint32_t[::1] finished
-    cdef uint64_t[::1] busy_ns
-    cdef object on_error, message, send
-
-    def __cinit__(self, WorkerBarrier barrier, Stepper stepper, list envs, Py_ssize_t first_row,
-                  list action_views, list slots, list regions, list info_columns,
-                  uint8_t[::1] autoreset, uint32_t[::1] flag, uint32_t[::1] current_env,
-                  uint32_t[::1] finished, uint64_t[::1] busy_ns, object on_error,
-                  object message, object send):
-        self.barrier, self.stepper, self.envs, self.first_row = barrier, stepper, envs, first_row
-        self.action_views, self.slots, self.info_columns = action_views, slots, info_columns
-        self.regions = regions  # lease regions' observation columns (Worker._obs_target)
-        self.autoreset, self.flag, self.current_env = autoreset, flag, current_env
-        self.finished, self.busy_ns = finished, busy_ns
-        self.on_error, self.message, self.send = on_error, message, send
-
-    def serve(self, uint32_t generation, int64_t spin_ns, int64_t timeout_ns,
-              Py_ssize_t max_rounds):
-        """Waits for commands after ``generation`` and runs them while they are
-        plain STEP rounds, at most ``max_rounds``. Returns ``(generation,
-        rounds run, command)``: ``command`` is the first other command, as
-        ``WorkerBarrier.wait_command`` returns it, or None (a wait timed out,
-        or ``max_rounds`` ran)."""
-        cdef Command command
-        cdef WaitStatus status
-        cdef Py_ssize_t rounds = 0
-        cdef uint32_t index, region
-        cdef uint64_t started
-        cdef SlotColumns slot
-        cdef list obs
-        cdef tuple parts
-        cdef bint has_message
-        while rounds < max_rounds:
-            with nogil:
-                status = self.barrier.barrier.wait_command(generation, spin_ns, timeout_ns,
-                                                           &command)
-            if status == WaitStatus.kTimedOut:
-                break
-            if status != WaitStatus.kReady:
-                raise OSError(errno, "futex wait failed in a shmvec worker")
-            if command.kind != STEP or command.arg & BY_VALUE_BIT:
-                return generation, rounds, (command.generation, command.kind, command.arg)
-            started = _now_ns()
-            generation = command.generation
-            index = command.arg & SLOT_MASK
-            region = (command.arg >> REGION_SHIFT) & REGION_MASK
-            slot = self.slots[index]
-            obs = self.regions[region - 1] if region else slot.obs
-            self.stepper.actions_by_value = False
-            parts = _step_block(self.stepper, self.envs, self.first_row, self.action_views,
-                                obs, slot, self.autoreset, self.info_columns[index],
-                                self.current_env, self.on_error)
-            message = None
-            has_message = parts[0] or parts[1] or parts[2]
-            if has_message:
-                message = self.message(parts[0], parts[1], obs, parts[2])
-                self.flag[0] = 1
-            # Every write to this worker's line before arrive(): see Worker._run_command.
-            self.busy_ns[0] += _now_ns() - started
-            self.finished[0] = generation
-            with nogil:
-                self.barrier.barrier.arrive(has_message)
-            if has_message:
-                self.send(message)
-            rounds += 1
-        return generation, rounds, None
 
 
 cdef extern from "result_ring.h" namespace "shmvec":
@@ -723,120 +561,287 @@ cdef class WorkerRing:
 
 
 
-def step_pending(
-    Stepper stepper,
-    WorkerRing ring,
-    list envs,
-    Py_ssize_t first_env,
-    uint8_t[::1] commands,
-    object take_reset_args,
-    list action_views,
-    list slots,
-    list info_columns,
-    uint8_t[::1] autoreset,
-    object send_message,
-    uint32_t[::1] current_env,
-    object on_error=None,
-    uint8_t[::1] restarted=None,
-    object restart=None,
-    uint64_t[::1] env_started=None,
-    object row_lock=None,
-):
-    """Async mode: runs every env of the block that has a command, in env order.
-
-    For each: clears its command, resets or steps it, claims the next ring
-    row, writes the results and its env id there, and publishes the row. Infos
-    that are not columns, errors and pickled observations go to
-    ``send_message(dict)`` *after* the publish. ``commands`` is the block's
-    slice of the env commands; ``take_reset_args(env_id)`` returns the
-    (seed, options) of an env's reset.
-
-    A row whose info opened new info columns carries ``info_columns`` in its
-    message, so the main process learns them before it decodes that row.
-    ``on_error`` is as in ``step_envs``, for steps (a failed reset is an error).
-    After a restart (``on_worker_death="restart"``), an env whose ``restarted``
-    flag is set reports ``restart(i, command)`` for its first command instead.
-
-    ``current_env[0]`` is set before an env's command is cleared, and back to 0
-    only when the block is done, so that the main process can tell a worker
-    with nothing left to do (its envs' commands clear, ``current_env`` 0).
-    ``env_started[0]`` gets the CLOCK_MONOTONIC time each env begins
-    (``env_timeout``).
-    ``slots`` are the ring's ``SlotColumns``.
-    ``row_lock``: held from the claim of a row to the send of its message when
-    threads run this for single envs (shmvec/concurrent_envs.py): the main
-    process reads a worker's row messages in the order the rows were claimed.
-    """
-    cdef Py_ssize_t i, env_id
-    cdef uint8_t command
-    cdef RowRef ref
-    cdef list announced
-    cdef tuple result
-    cdef InfoColumns columns
-    cdef SlotColumns slot
-    for i in range(len(envs)):
-        command = commands[i]
-        if command == ENV_IDLE:
-            continue
-        env_id = first_env + i
-        if env_started is not None:
-            env_started[0] = _now_ns()
-        current_env[0] = env_id + 1
-        commands[i] = ENV_IDLE  # before the publish: main may send again right after
-        error = None
-        try:
-            if restarted is not None and restarted[i]:
-                restarted[i] = 0
-                result = restart(i, command)
-            elif command == ENV_RESET:
-                result = reset_result(envs[i], *take_reset_args(env_id))
-            else:
-                result = stepper.step_one(envs[i], action_views, env_id, autoreset[i], on_error, i)
-            autoreset[i] = 1 if (result[2] or result[3]) else 0
-        except Exception as exc:  # noqa: BLE001 - re-raised in the main process
-            error = (env_id, exc, _format_exc())
-        if row_lock is not None:  # hook: concurrent_envs (released after the send)
-            row_lock.acquire()
-        try:
-            with nogil:
-                ref = ring.ring.claim()
-            slot = slots[ref.slot]
-            columns = info_columns[ref.slot]
-            columns.clear(ref.row)
-            message = None
-            announced = []
-            if error is None:
-                obs_target = {} if stepper.obs_codec.pickled else slot.obs_columns()
-                try:
-                    stepper.write(obs_target, slot.rewards, slot.terminations,
-                                  slot.truncations, ref.row, result)
-                    merged = pickled_infos(result, columns, ref.row, announced)
-                    if merged is not None:
-                        message = {"infos": [(ref.row, merged)]}
-                    if stepper.obs_codec.pickled:
-                        message = message or {}
-                        message["obs"] = obs_target
-                    if announced:
-                        message = message or {}
-                        message["info_columns"] = announced
-                except Exception as exc:  # noqa: BLE001
-                    error = (env_id, exc, _format_exc())
-            if error is not None:
-                message = {"errors": [error]}
-            slot.env_ids[ref.row] = env_id
-            slot.messages[ref.row] = 0 if message is None else 1
-            with nogil:
-                ring.ring.publish(ref.slot)
-            if message is not None:
-                message["row"] = (ref.slot, ref.row)
-                send_message(message)
-        finally:
-            if row_lock is not None:
-                row_lock.release()
-    current_env[0] = 0
-
-
 def _format_exc():
     import traceback
 
     return traceback.format_exc()
+
+
+cdef class Block:
+    """One worker's envs and everything of the segment its loops write: the one
+    object that crosses into these loops and into the threads of
+    shmvec/concurrent_envs.py.
+
+    Data flow: a sync round steps every env and writes its results at row
+    ``first_row + i`` of a ring slot (``step_block``; ``serve_rounds`` runs
+    plain step rounds with no Python frame a round); async mode runs each env
+    that has a command and writes its results at a ring row it claims
+    (``step_pending``). A sync round ends in ``finish_round``.
+
+    Which thread may call: the worker's own; a ``part`` (one env of the block,
+    with its own words) the one thread that runs that env.
+
+    Built with the envs and the barrier; the worker sets the rest:
+
+    - ``action_views``: the action slab's columns. ``slots``: each ring slot's
+      ``SlotColumns``; ``info_columns``: its ``InfoColumns``; ``regions``: the
+      lease regions' observation columns (protocol.REGION_SHIFT).
+    - ``autoreset``: per env, whether its last step ended an episode.
+    - This worker's words (protocol.LINE_*), each a 1-element view: ``flag``
+      (a message follows), ``current_env`` (1 + the env running, 0 between
+      envs), ``finished`` (last generation done), ``busy_ns`` and, in async
+      mode, ``env_started`` (when the running env began, CLOCK_MONOTONIC).
+    - Async mode: ``ring``, ``commands`` (the block's env commands) and
+      ``restarted`` (per env: report ``restart(i, command)`` for its next command).
+    - Callbacks: ``on_error(i, exc)`` (``on_env_error="reset"``: the result to
+      report instead of raising, or None), ``send(message)``,
+      ``build_message(infos, errors, obs_views, announced)`` (the round's message
+      dict, empty when there is nothing to send), ``take_reset_args(env_id)``
+      (seed, options), ``restart(i, command)``; ``i`` counts from the
+      worker's first env. ``row_lock``: held from a row's claim to its
+      message's send when threads run parts (the main process reads a
+      worker's row messages in claim order).
+    """
+
+    cdef readonly Stepper stepper
+    cdef readonly list envs
+    cdef readonly Py_ssize_t first_row  # the env id of envs[0]
+    cdef readonly Py_ssize_t first_index  # envs[0]'s index in the worker's block
+    cdef readonly WorkerBarrier barrier
+    cdef public uint32_t generation  # the last barrier command's
+    cdef public list action_views, slots, regions, info_columns
+    cdef public uint8_t[::1] autoreset
+    cdef public uint32_t[::1] flag, current_env, finished
+    cdef public uint64_t[::1] busy_ns, env_started
+    cdef public WorkerRing ring
+    cdef public uint8_t[::1] commands, restarted
+    cdef public object on_error, send, build_message, take_reset_args, restart, row_lock
+
+    def __cinit__(self, Stepper stepper, list envs, Py_ssize_t first_row, WorkerBarrier barrier):
+        self.stepper, self.envs, self.first_row, self.barrier = stepper, envs, first_row, barrier
+        self.env_started = self.commands = self.restarted = None  # async mode's
+
+    def part(self, Py_ssize_t i, uint32_t[::1] current_env, uint64_t[::1] env_started=None):
+        """Env ``i`` of the block alone, publishing in ``current_env`` and
+        ``env_started`` (a thread's scratch words, or the worker's)."""
+        cdef Block part = Block(self.stepper, self.envs[i : i + 1], self.first_row + i,
+                                self.barrier)
+        part.first_index = self.first_index + i
+        part.generation = self.generation
+        part.action_views, part.slots = self.action_views, self.slots
+        part.regions, part.info_columns = self.regions, self.info_columns
+        part.autoreset = self.autoreset[i : i + 1]
+        part.flag, part.finished, part.busy_ns = self.flag, self.finished, self.busy_ns
+        part.current_env, part.env_started = current_env, env_started
+        part.ring = self.ring
+        if self.commands is not None:
+            part.commands = self.commands[i : i + 1]
+        if self.restarted is not None:
+            part.restarted = self.restarted[i : i + 1]
+        part.on_error, part.send, part.build_message = self.on_error, self.send, self.build_message
+        part.take_reset_args, part.restart = self.take_reset_args, self.restart
+        part.row_lock = self.row_lock
+        return part
+
+    cdef tuple reported(self, Py_ssize_t i, object exc):
+        """What env ``i`` reports after raising ``exc``: ``on_error``'s result,
+        or ``exc`` raised again."""
+        if self.on_error is None:
+            raise exc
+        return self.on_error(self.first_index + i, exc)
+
+    cpdef tuple step_block(self, list action_views, object obs_views, Py_ssize_t slot):
+        """Sync mode: steps every env and writes its results at its row of ring
+        slot ``slot``.
+
+        ``action_views`` are the action slab's columns, or, this round's actions
+        by value, a list of per-env actions. ``obs_views`` are where the
+        observations go: the slot's columns, a lease region's, or a dict that
+        collects pickled observations.
+
+        Returns ``(infos, errors, announced)``: ``infos`` is a list of ``(row,
+        [info, ...])`` for envs with something to pickle, in row order, each
+        list merged in order with ``VectorEnv._add_info``; numeric scalar infos
+        go to the slot's info columns instead, and ``announced`` lists the
+        ``(key, column)`` pairs new this round. ``errors`` is a list of ``(row,
+        exception, traceback_text)``. An env that raised keeps its previous
+        results, unless ``on_error`` gives a result to report instead.
+        """
+        cdef Py_ssize_t i, row
+        cdef list infos = []
+        cdef list errors = []
+        cdef list announced = []
+        cdef tuple result
+        cdef SlotColumns columns = self.slots[slot]
+        cdef InfoColumns info_columns = self.info_columns[slot]
+        cdef Stepper stepper = self.stepper
+        for i in range(len(self.envs)):
+            row = self.first_row + i
+            self.current_env[0] = row + 1
+            info_columns.clear(row)
+            try:
+                try:
+                    result = stepper.step_one(self.envs[i], action_views, row, self.autoreset[i])
+                    stepper.write(obs_views, columns.rewards, columns.terminations,
+                                  columns.truncations, row, result)
+                except Exception as exc:  # noqa: BLE001 - a failed write resets too
+                    result = self.reported(i, exc)
+                    stepper.write(obs_views, columns.rewards, columns.terminations,
+                                  columns.truncations, row, result)
+                self.autoreset[i] = 1 if (result[2] or result[3]) else 0
+                merged = pickled_infos(result, info_columns, row, announced)
+                if merged is not None:
+                    infos.append((row, merged))
+            except Exception as exc:  # noqa: BLE001 - re-raised in the main process
+                errors.append((row, exc, _format_exc()))
+        self.current_env[0] = 0
+        return infos, errors, announced
+
+    cpdef finish_round(self, object message, uint64_t started):
+        """Ends this worker's part of the sync round begun at ``started``
+        (CLOCK_MONOTONIC ns, ``time.perf_counter_ns``): publishes its words,
+        arrives, and only then sends ``message`` (if any), so that a large
+        message never blocks a worker the main process still waits for."""
+        cdef bint has_message = bool(message)
+        if has_message:
+            self.flag[0] = 1
+        self.current_env[0] = 0
+        # Every write to this worker's line before arrive(): the main process
+        # reads it right after, and a later write would pull the line back.
+        self.busy_ns[0] += _now_ns() - started
+        self.finished[0] = self.generation
+        with nogil:
+            self.barrier.barrier.arrive(has_message)
+        if has_message:
+            self.send(message)
+
+    def serve_rounds(self, int64_t spin_ns, int64_t timeout_ns, Py_ssize_t max_rounds):
+        """Sync mode: waits for commands after ``generation`` and runs them while
+        they are plain STEP rounds (actions in the slab, observations in
+        columns), at most ``max_rounds``, with no Python frame a round.
+        Returns ``(rounds run, command)``: ``command`` is the first other
+        command, as ``WorkerBarrier.wait_command`` returns it, or None (a wait
+        timed out, or ``max_rounds`` ran)."""
+        cdef Command command
+        cdef WaitStatus status
+        cdef Py_ssize_t rounds = 0
+        cdef uint32_t index, region
+        cdef uint64_t started
+        cdef object obs
+        cdef tuple parts
+        while rounds < max_rounds:
+            with nogil:
+                status = self.barrier.barrier.wait_command(self.generation, spin_ns, timeout_ns,
+                                                           &command)
+            if status == WaitStatus.kTimedOut:
+                break
+            if status != WaitStatus.kReady:
+                raise OSError(errno, "futex wait failed in a shmvec worker")
+            if command.kind != STEP or command.arg & BY_VALUE_BIT:
+                return rounds, (command.generation, command.kind, command.arg)
+            started = _now_ns()
+            self.generation = command.generation
+            index = command.arg & SLOT_MASK
+            region = (command.arg >> REGION_SHIFT) & REGION_MASK
+            obs = self.regions[region - 1] if region else (<SlotColumns>self.slots[index]).obs
+            self.stepper.actions_by_value = False
+            parts = self.step_block(self.action_views, obs, index)
+            message = None
+            if parts[0] or parts[1] or parts[2]:
+                message = self.build_message(parts[0], parts[1], obs, parts[2])
+            self.finish_round(message, started)
+            rounds += 1
+        return rounds, None
+
+    cpdef step_pending(self):
+        """Async mode: runs every env of the block that has a command, in env order.
+
+        For each: clears its command, resets or steps it, claims the next ring
+        row, writes the results and its env id there, and publishes the row.
+        Infos that are not columns, errors and pickled observations go to
+        ``send`` *after* the publish, with the row; a row whose info opened new
+        info columns carries ``info_columns``, so the main process learns them
+        before it decodes that row. A failed reset is an error; a failed step
+        is ``on_error``'s. After a restart, an env whose ``restarted`` flag is
+        set reports ``restart(i, command)`` for its first command instead.
+
+        ``current_env[0]`` is set before an env's command is cleared, and back
+        to 0 only when the block is done, so that the main process can tell a
+        worker with nothing left to do (its envs' commands clear,
+        ``current_env`` 0). ``env_started[0]`` gets the time each env begins.
+        """
+        cdef Py_ssize_t i, env_id
+        cdef uint8_t command
+        cdef tuple result
+        cdef Stepper stepper = self.stepper
+        for i in range(len(self.envs)):
+            command = self.commands[i]
+            if command == ENV_IDLE:
+                continue
+            env_id = self.first_row + i
+            if self.env_started is not None:
+                self.env_started[0] = _now_ns()
+            self.current_env[0] = env_id + 1
+            self.commands[i] = ENV_IDLE  # before the publish: main may send again right after
+            error = None
+            try:
+                if self.restarted is not None and self.restarted[i]:
+                    self.restarted[i] = 0
+                    result = self.restart(self.first_index + i, command)
+                elif command == ENV_RESET:
+                    result = reset_result(self.envs[i], *self.take_reset_args(env_id))
+                else:
+                    try:
+                        result = stepper.step_one(self.envs[i], self.action_views, env_id,
+                                                  self.autoreset[i])
+                    except Exception as exc:  # noqa: BLE001
+                        result = self.reported(i, exc)
+                self.autoreset[i] = 1 if (result[2] or result[3]) else 0
+            except Exception as exc:  # noqa: BLE001 - re-raised in the main process
+                error = (env_id, exc, _format_exc())
+            if self.row_lock is not None:  # released after the send
+                self.row_lock.acquire()
+            try:
+                self.publish_row(env_id, result, error)
+            finally:
+                if self.row_lock is not None:
+                    self.row_lock.release()
+        self.current_env[0] = 0
+
+    cdef publish_row(self, Py_ssize_t env_id, tuple result, object error):
+        """Claims a ring row, writes ``result`` (or nothing, for an ``error``)
+        and the env id there, publishes it, then sends its message if any."""
+        cdef RowRef ref
+        cdef list announced = []
+        cdef Stepper stepper = self.stepper
+        with nogil:
+            ref = self.ring.ring.claim()
+        cdef SlotColumns slot = self.slots[ref.slot]
+        cdef InfoColumns columns = self.info_columns[ref.slot]
+        columns.clear(ref.row)
+        message = None
+        if error is None:
+            obs_target = {} if stepper.obs_codec.pickled else slot.obs_columns()
+            try:
+                stepper.write(obs_target, slot.rewards, slot.terminations, slot.truncations,
+                              ref.row, result)
+                merged = pickled_infos(result, columns, ref.row, announced)
+                if merged is not None:
+                    message = {"infos": [(ref.row, merged)]}
+                if stepper.obs_codec.pickled:
+                    message = message or {}
+                    message["obs"] = obs_target
+                if announced:
+                    message = message or {}
+                    message["info_columns"] = announced
+            except Exception as exc:  # noqa: BLE001
+                error = (env_id, exc, _format_exc())
+        if error is not None:
+            message = {"errors": [error]}
+        slot.env_ids[ref.row] = env_id
+        slot.messages[ref.row] = 0 if message is None else 1
+        with nogil:
+            self.ring.ring.publish(ref.slot)
+        if message is not None:
+            message["row"] = (ref.slot, ref.row)
+            self.send(message)
