@@ -408,7 +408,9 @@ class ConcurrentEnvs:
         return block.step_block(action_views, obs_views, slot)
 
     def _step_probing(self, block, action_views: list, obs_views, slot: int) -> tuple:
-        infos, errors, announced = [], [], []
+        infos: list = []
+        errors: list = []
+        announced: list = []
         size = len(block.envs)
         for i in range(size):
             before = self._sample()
@@ -436,7 +438,9 @@ class ConcurrentEnvs:
             done = self.map_envs(step, list(range(start, len(parts))))
         finally:
             self.running.current_env[0] = 0
-        infos, errors, announced = [], [], []
+        infos: list = []
+        errors: list = []
+        announced: list = []
         for part in done:
             _extend(infos, errors, announced, part)
         return infos, errors, announced

@@ -22,7 +22,8 @@ class LoopbackPipe:
 
     @classmethod
     def pair(cls) -> tuple[LoopbackPipe, LoopbackPipe]:
-        a, b = deque(), deque()
+        a: deque[bytes] = deque()
+        b: deque[bytes] = deque()
         return cls(a, b), cls(b, a)
 
     def send_bytes(self, data: bytes) -> None:

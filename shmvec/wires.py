@@ -91,11 +91,13 @@ class SyncWire:
             return True
         return self.worker.run_command(barrier.wait_command(self.block.generation, 0, 0))
 
-    def recover(self, plan: RoundRecovery) -> dict:
+    def recover(self, plan: RoundRecovery | EnvRecovery) -> dict:
         """Resets every env (all are new) as the round of ``plan`` asks: in a STEP
         round each reports a truncated episode (``Worker.truncated_reset``), in a
         RESET round the reset asked for (the main process sends it again); both
         with ``info["worker_restarted"]``. Returns the round's message."""
+        if not isinstance(plan, RoundRecovery):
+            raise TypeError(f"a sync-mode worker cannot recover by {plan!r}")
         worker, kind = self.worker, plan.kind
         obs_target = worker.obs_target(plan.arg)
         views = worker.slot_views[plan.arg & SLOT_MASK]
@@ -190,12 +192,14 @@ class AsyncWire:
             return _worker_loop.reset_result(worker.envs[i], seed, options, why)
         return worker.truncated_reset(i, why)
 
-    def recover(self, plan: EnvRecovery) -> None:
+    def recover(self, plan: RoundRecovery | EnvRecovery) -> None:
         """Delivers the result of each env in ``plan.lost``: it claims a new row
         (``"claim"``), fills the ``"hole"`` (slot, row) the old worker claimed
         but never published, or rewrites (``"rewrite"``) a published row whose
         message was lost. Every other env reports ``restart_result`` for its
         next command (``restarted``)."""
+        if not isinstance(plan, EnvRecovery):
+            raise TypeError(f"an async-mode worker cannot recover by {plan!r}")
         worker, pickled = self.worker, self.worker.obs_codec.pickled
         for env_id, (how, slot, row, command) in plan.lost.items():
             i = env_id - worker.rows.start
@@ -210,7 +214,7 @@ class AsyncWire:
             worker.autoreset[i] = 1 if result[3] else 0
             if how != "rewrite":
                 self.ring.publish(slot)
-            message = {"row": (slot, row), "infos": [(row, result[4])]}
+            message: dict[str, Any] = {"row": (slot, row), "infos": [(row, result[4])]}
             if pickled:
                 message["obs"] = obs_target
             worker.send(message)

@@ -234,7 +234,7 @@ def make_envs(spec: WorkerSpec) -> list:
     env_fns = spec.env_fns
     if isinstance(env_fns, bytes):
         env_fns = cloudpickle.loads(env_fns)
-    envs = []
+    envs: list = []
     for offset, env_fn in enumerate(env_fns):
         row = spec.first_env + offset
         try:
@@ -388,7 +388,7 @@ class Worker:
     def step(self, arg: int) -> dict:
         by_value = bool(arg & BY_VALUE_BIT)  # per-env actions come pickled this round
         self.block.stepper.actions_by_value = by_value
-        action_views = self.action_views
+        action_views: list[Any] = self.action_views
         if by_value:
             action_views = [None] * self.spec.num_envs
             action_views[self.rows.start : self.rows.stop] = self.recv("actions")
