@@ -271,6 +271,7 @@ cdef class RegionLease:
         self.free.append(self.region)
 
 
+@cython.final
 cdef class Stepper:
     """Steps one env under an autoreset mode and writes its results into a row.
 
@@ -332,10 +333,10 @@ cdef class Stepper:
             return obs, reward, terminated, truncated, merged
         return obs, reward, terminated, truncated, ([info] if info else None)
 
-    cdef void write(self, object obs_views, double[::1] rewards,
-                    uint8_t[::1] terminations, uint8_t[::1] truncations,
-                    Py_ssize_t row, tuple result) except *:
-        """Stores ``result`` (from ``advance``) at ``row``."""
+    cpdef write(self, object obs_views, SlotColumns slot, Py_ssize_t row, tuple result):
+        """Stores ``result`` (from ``advance``) at ``row`` of ring slot ``slot``;
+        ``obs_views``: where its observation goes (the slot's columns, a lease
+        region's, or the dict of a pickled space)."""
         obs, reward, terminated, truncated = result[0], result[1], result[2], result[3]
         if self.direct_obs:
             if (obs.shape if type(obs) is _ndarray else _shape(obs)) != self.obs_shape:
@@ -345,14 +346,9 @@ cdef class Stepper:
                 obs_views[0][row] = obs  # numpy casts, or copies a strided array
         else:
             self.obs_codec.write(obs_views, row, obs)
-        rewards[row] = reward
-        terminations[row] = 1 if terminated else 0
-        truncations[row] = 1 if truncated else 0
-
-    def write_row(self, object obs_views, object views, Py_ssize_t row, tuple result):
-        """``write`` into ring slot ``views`` (a SlotViews); ``obs_views``: its
-        observation columns, or the dict of a pickled space. For restarts."""
-        self.write(obs_views, views.rewards, views.terminations, views.truncations, row, result)
+        slot.rewards[row] = reward
+        slot.terminations[row] = 1 if terminated else 0
+        slot.truncations[row] = 1 if truncated else 0
 
 
 cdef object pickled_infos(tuple result, InfoColumns columns, Py_ssize_t row, list announced):
@@ -567,19 +563,18 @@ def _format_exc():
     return traceback.format_exc()
 
 
+@cython.final
 cdef class Block:
     """One worker's envs and everything of the segment its loops write: the one
     object that crosses into these loops and into the threads of
     shmvec/concurrent_envs.py.
 
-    Data flow: a sync round steps every env and writes its results at row
-    ``first_row + i`` of a ring slot (``step_block``; ``serve_rounds`` runs
-    plain step rounds with no Python frame a round); async mode runs each env
-    that has a command and writes its results at a ring row it claims
-    (``step_pending``). A sync round ends in ``finish_round``.
-
-    Which thread may call: the worker's own; a ``part`` (one env of the block,
-    with its own words) the one thread that runs that env.
+    Data flow: a sync round steps every env into its row ``first_row + i`` of
+    a ring slot (``step_block``; ``serve_rounds`` runs plain step rounds with
+    no Python frame a round) and ends in ``finish_round``; async mode runs
+    each env that has a command into a ring row it claims (``step_pending``).
+    Which thread may call: the worker's own; a ``part`` (one env alone, with
+    its own words): the one thread that runs that env.
 
     Built with the envs and the barrier; the worker sets the rest:
 
@@ -682,12 +677,10 @@ cdef class Block:
             try:
                 try:
                     result = stepper.step_one(self.envs[i], action_views, row, self.autoreset[i])
-                    stepper.write(obs_views, columns.rewards, columns.terminations,
-                                  columns.truncations, row, result)
+                    stepper.write(obs_views, columns, row, result)
                 except Exception as exc:  # noqa: BLE001 - a failed write resets too
                     result = self.reported(i, exc)
-                    stepper.write(obs_views, columns.rewards, columns.terminations,
-                                  columns.truncations, row, result)
+                    stepper.write(obs_views, columns, row, result)
                 self.autoreset[i] = 1 if (result[2] or result[3]) else 0
                 merged = pickled_infos(result, info_columns, row, announced)
                 if merged is not None:
@@ -823,8 +816,7 @@ cdef class Block:
         if error is None:
             obs_target = {} if stepper.obs_codec.pickled else slot.obs_columns()
             try:
-                stepper.write(obs_target, slot.rewards, slot.terminations, slot.truncations,
-                              ref.row, result)
+                stepper.write(obs_target, slot, ref.row, result)
                 merged = pickled_infos(result, columns, ref.row, announced)
                 if merged is not None:
                     message = {"infos": [(ref.row, merged)]}

@@ -1,16 +1,9 @@
 """How work reaches a worker, and how a replacement worker recovers, per mode.
 
-The worker's loop (``shmvec.worker.Worker.serve``) is the same in both modes:
-``wait_for_work``, then ``work``. ``SyncWire``: work is the step barrier's next
-command (shmvec/protocol.py), and each round ends in ``Block.finish_round``.
-``AsyncWire``: the worker's doorbell rings when there is work: a barrier
-command (call, set_attr, close), then every env that has a command
-(``Block.step_pending``), each result a ring row. A replacement worker's first
-job is ``recover(plan)``, with the plan its mode's main process made
-(``RoundRecovery``, ``EnvRecovery``).
-
-Which thread may call: the worker's own (for the main process's block, the
-main thread).
+The worker's loop (``shmvec.worker.Worker.serve``) is one for both modes:
+``wait_for_work``, then ``work``; a replacement first does ``recover(plan)``
+(``RoundRecovery``, ``EnvRecovery``). Which thread may call: the worker's own
+(for a block in the main process, the main thread).
 """
 
 from __future__ import annotations
@@ -100,8 +93,8 @@ class SyncWire:
             raise TypeError(f"a sync-mode worker cannot recover by {plan!r}")
         worker, kind = self.worker, plan.kind
         obs_target = worker.obs_target(plan.arg)
-        views = worker.slot_views[plan.arg & SLOT_MASK]
-        views.info_codes[worker.rows.start : worker.rows.stop] = 0
+        slot = plan.arg & SLOT_MASK
+        worker.slot_views[slot].info_codes[worker.rows.start : worker.rows.stop] = 0
         why = {"worker_restarted": True}
         infos, errors = [], []
         if kind == RESET:  # the reset asked for, of every env (all are new)
@@ -119,7 +112,7 @@ class SyncWire:
                 else:
                     worker.envs[i].reset()
                     continue
-                self.block.stepper.write_row(obs_target, views, row, result)
+                self.block.stepper.write(obs_target, self.block.slots[slot], row, result)
                 infos.append((row, result[4]))
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
                 errors.append((row, exc, traceback.format_exc()))
@@ -206,9 +199,9 @@ class AsyncWire:
             result = self.restart_result(i, command)
             if how == "claim":
                 slot, row = self.ring.claim()
-            views = worker.slot_views[slot]
-            obs_target = {} if pickled else self.block.slots[slot].obs_columns()
-            self.block.stepper.write_row(obs_target, views, row, result)
+            views, columns = worker.slot_views[slot], self.block.slots[slot]
+            obs_target = {} if pickled else columns.obs_columns()
+            self.block.stepper.write(obs_target, columns, row, result)
             views.info_codes[row] = 0
             views.env_ids[row], views.messages[row] = env_id, 1
             worker.autoreset[i] = 1 if result[3] else 0

@@ -150,14 +150,13 @@ def _watch_main(pid: int) -> None:
     threading.Thread(target=wait_then_exit, name="shmvec-watchdog", daemon=True).start()
 
 
-def _main_alive(pid: int) -> bool:
+def _exit_if_main_gone(pid: int) -> None:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        os._exit(0)
     except PermissionError:
-        return True
-    return True
+        pass  # a process we may not signal: alive
 
 
 def check_env(env, row: int) -> None:
@@ -330,7 +329,7 @@ class Worker:
         while True:
             spin_ns = concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
             if not wire.wait_for_work(spin_ns, WATCHDOG_NS):
-                self._check_main()
+                _exit_if_main_gone(self.spec.main_pid)
             elif not wire.work():
                 return
 
@@ -338,10 +337,6 @@ class Worker:
         """A replacement's first job, before it says it is ready: its envs are
         new. Returns the message for its predecessor's round (sync mode)."""
         return self.wire.recover(plan)
-
-    def _check_main(self) -> None:
-        if not _main_alive(self.spec.main_pid):
-            os._exit(0)
 
     def send(self, message: dict) -> None:
         _send(self.pipe, message)
