@@ -30,8 +30,9 @@ Each env is stepped by one thread at a time and writes its results at its
 own row (sync mode) or a row it claims (async mode), so results never depend
 on timing; infos and errors are gathered per env and returned in row order.
 
-This module is the mechanism; ``shmvec.worker`` hooks it in at three places
-(``ConcurrentEnvs.step``, ``.run_pending``, ``.drain``).
+This module is the mechanism; the worker hooks it in where it steps its envs
+(``ConcurrentEnvs.step``, ``.map_envs``; ``.run_pending`` and ``.drain`` in
+``shmvec.wires.AsyncWire``) and before each wait (``.spin_ns``).
 """
 
 from __future__ import annotations
