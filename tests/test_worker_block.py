@@ -7,6 +7,7 @@ test_async, test_restart)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import gymnasium as gym
@@ -17,7 +18,7 @@ from gymnasium.spaces import Box, Discrete
 from shmvec import _core
 from shmvec.in_process import LoopbackPipe
 from shmvec.layout import RESULT_COLUMNS, make_layout
-from shmvec.protocol import AUTORESET_NEXT_STEP, CALL, ENV_IDLE, ENV_STEP, STEP
+from shmvec.protocol import AUTORESET_NEXT_STEP, CALL, CLOSE, ENV_IDLE, ENV_STEP, STEP
 from shmvec.wires import EnvRecovery, RoundRecovery, recovery_plan
 from shmvec.worker import Worker, WorkerSpec, make_envs
 
@@ -41,6 +42,10 @@ class CountingEnv(gym.Env):
             raise RuntimeError(f"env {self.index} failed")
         self.t += 1
         return np.array([self.index, float(self.t)]), float(action), False, False, {}
+
+
+# A wait's limit that only a hung worker reaches (not a timing assumption).
+HUNG_NS = 60_000_000_000
 
 
 def make_worker(num_envs=4, first_env=0, num_workers=1, batch_size=None):
@@ -179,3 +184,43 @@ def test_recovery_plans_are_typed_by_mode():
     async_worker = make_worker(batch_size=2)[0]
     with pytest.raises(TypeError):
         async_worker.recover(RoundRecovery(STEP, 0))
+
+
+def serving(worker) -> threading.Thread:
+    """``worker.serve()`` in a thread, as a worker process runs it."""
+    thread = threading.Thread(target=worker.serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_one_serve_loop_runs_sync_rounds_until_close():
+    worker, barrier, _segment, _layout = make_worker()
+    thread = serving(worker)
+    worker.action_views[0][:] = 1
+    for _ in range(3):
+        barrier.post(STEP, 0)
+        assert barrier.wait_done(0, HUNG_NS)
+    assert worker.slot_views[0].obs[0].tolist() == [[i, 3.0] for i in range(4)]
+    barrier.post(CLOSE, 0)
+    assert barrier.wait_done(0, HUNG_NS)
+    thread.join(HUNG_NS / 1e9)
+    assert not thread.is_alive()
+
+
+def test_one_serve_loop_runs_async_envs_until_close():
+    worker, barrier, segment, layout = make_worker(num_envs=4, batch_size=2)
+    ring = _core.ResultRing(segment, layout.ring_offset, layout.num_slots, 2)
+    doorbell = _core.Doorbell(segment, layout.doorbell_offsets[0])
+    commands = layout.env_commands(memoryview(segment))
+    thread = serving(worker)
+    worker.action_views[0][:] = [2, 0, 1, 0]
+    commands[[0, 2]] = ENV_STEP  # the command, then the ring (shmvec/protocol.py)
+    doorbell.ring()
+    assert ring.wait_full(0, 0, HUNG_NS)
+    slot = worker.slot_views[0]
+    assert sorted(zip(slot.env_ids.tolist(), slot.rewards.tolist())) == [(0, 2.0), (2, 1.0)]
+    barrier.post(CLOSE, 0)
+    doorbell.ring()
+    assert barrier.wait_done(0, HUNG_NS)
+    thread.join(HUNG_NS / 1e9)
+    assert not thread.is_alive()
