@@ -313,7 +313,7 @@ class ConcurrentEnvs:
         # The calling thread (the one that steps serially) runs on _cpu alone,
         # unless its envs started processes already (see _check_children).
         self._pinned = pin and self._cpu is not None and not _child_pids()
-        if self._pinned:
+        if self._pinned and self._cpu is not None:
             try:
                 os.sched_setaffinity(0, {self._cpu})
             except OSError:  # the CPU was taken away meanwhile: run unpinned
@@ -561,7 +561,7 @@ def _can_find_children() -> bool:
 
 def _child_pids() -> list[int]:
     """The child processes of every thread of this process."""
-    pids = []
+    pids: list[int] = []
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/children", "rb") as children:

@@ -114,7 +114,7 @@ class ArrayCodec(Codec):
     def __init__(self, space: spaces.Space, path: str) -> None:
         self.space = space
         self.path = path
-        self.spec = ColumnSpec(np.dtype(space.dtype), tuple(space.shape))
+        self.spec = ColumnSpec(np.dtype(space.dtype), tuple(space.shape or ()))
 
     def columns(self) -> list[ColumnSpec]:
         return [self.spec]
@@ -231,7 +231,9 @@ class TextCodec(Codec):
 
 
 class DictCodec(Codec):
-    def __init__(self, space: spaces.Dict, path: str, children: dict[str, Codec]) -> None:
+    def __init__(
+        self, space: spaces.Dict | spaces.Tuple, path: str, children: dict[Any, Codec]
+    ) -> None:
         self.space = space
         self.path = path
         self.children = children

@@ -24,10 +24,10 @@ import cloudpickle
 
 from shmvec import _core
 from shmvec.errors import WorkerDiedError, add_note
-from shmvec.protocol import LIVENESS_CHECK_S
-from shmvec.start_method import worker_context
 from shmvec.in_process import InProcessWorker, LoopbackPipe
 from shmvec.layout import make_layout
+from shmvec.protocol import LIVENESS_CHECK_S
+from shmvec.start_method import worker_context
 from shmvec.worker import SegmentFd, WorkerSpec, worker_main
 
 logger = logging.getLogger("shmvec")
