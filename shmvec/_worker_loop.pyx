@@ -721,7 +721,7 @@ cdef class Block:
         cdef uint32_t index, region
         cdef uint64_t started
         cdef object obs
-        cdef tuple parts
+        cdef list infos, errors, announced
         while rounds < max_rounds:
             with nogil:
                 status = self.barrier.barrier.wait_command(self.generation, spin_ns, timeout_ns,
@@ -738,10 +738,10 @@ cdef class Block:
             region = (command.arg >> REGION_SHIFT) & REGION_MASK
             obs = self.regions[region - 1] if region else (<SlotColumns>self.slots[index]).obs
             self.stepper.actions_by_value = False
-            parts = self.step_block(self.action_views, obs, index)
+            infos, errors, announced = self.step_block(self.action_views, obs, index)
             message = None
-            if parts[0] or parts[1] or parts[2]:
-                message = self.build_message(parts[0], parts[1], obs, parts[2])
+            if infos or errors or announced:
+                message = self.build_message(infos, errors, obs, announced)
             self.finish_round(message, started)
             rounds += 1
         return rounds, None

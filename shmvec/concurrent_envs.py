@@ -580,6 +580,8 @@ def _locked(function: Callable, lock: threading.Lock) -> Callable:
 
 
 def _extend(infos: list, errors: list, announced: list, part: tuple) -> None:
-    infos.extend(part[0])
-    errors.extend(part[1])
-    announced.extend(part[2])
+    """Appends a part's ``(infos, errors, announced)`` (``Block.step_block``'s)."""
+    part_infos, part_errors, part_announced = part
+    infos.extend(part_infos)
+    errors.extend(part_errors)
+    announced.extend(part_announced)
