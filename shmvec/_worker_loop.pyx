@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The worker's hot path: wait for a command, step a block of envs, arrive
-(and ``count_ended``, the one piece of a step the main process runs here).
+"""The worker's hot path: wait for a command, step a block of envs, arrive.
+Included: _ring.pxi (async mode's ring and doorbells), _main_side.pxi (the
+main process's loops over the same columns, such as ``count_ended``).
 
 Compiled with Cython and linked against the C++ core (csrc/barrier.h), so
 the barrier calls go straight to C++ with the GIL released, and rewards and
@@ -17,6 +18,8 @@ from cpython.buffer cimport (
 from libc.string cimport memcpy, memset
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+from traceback import format_exc as _format_exc
 
 from numpy import empty as _empty
 from numpy import ndarray as _ndarray
@@ -197,80 +200,6 @@ cdef class SlotColumns:
         return self.obs
 
 
-def count_ended(SlotColumns slot):
-    """[main] How many rows of ``slot`` ended an episode (terminated or truncated)."""
-    cdef Py_ssize_t row, ended = 0
-    for row in range(slot.terminations.shape[0]):
-        ended += (slot.terminations[row] | slot.truncations[row]) != 0
-    return ended
-
-
-def uniform_codes(const uint8_t[:, ::1] codes, list columns, Py_ssize_t rows):
-    """[main] Per info column of ``columns``: the type code that rows ``0 ..
-    rows-1`` all have (shmvec/infos.py), or 0 when one lacks the key or the
-    codes differ."""
-    cdef list out = []
-    cdef Py_ssize_t row, column
-    cdef uint8_t first
-    for column in columns:
-        first = codes[0, column] if rows else 0
-        for row in range(1, rows):
-            if codes[row, column] != first:
-                first = 0
-                break
-        out.append(first)
-    return out
-
-
-def row_messages(SlotColumns slot):
-    """[main] Whether a row of ``slot`` has a pickled message (async mode)."""
-    cdef Py_ssize_t row
-    for row in range(slot.messages.shape[0]):
-        if slot.messages[row]:
-            return True
-    return False
-
-
-@cython.no_gc_clear
-cdef class RegionLease:
-    """[main] One lease region of the segment (shmvec/engine/leases.py) as a
-    writable buffer: arrays made over it keep it, and the segment's mapping,
-    alive. When the last of them is gone, ``free.append(region)`` hands the
-    region back for a later batch."""
-
-    cdef object segment
-    cdef char* data
-    cdef Py_ssize_t shape[1]
-    cdef list free
-    cdef Py_ssize_t region
-
-    def __cinit__(self, object segment, uintptr_t address, Py_ssize_t size, list free,
-                  Py_ssize_t region):
-        self.segment, self.free, self.region = segment, free, region
-        self.data = <char*>address
-        self.shape[0] = size
-
-    def __getbuffer__(self, Py_buffer* buffer, int flags):
-        buffer.buf = self.data
-        buffer.obj = self
-        buffer.len = self.shape[0]
-        buffer.readonly = 0
-        buffer.itemsize = 1
-        buffer.format = NULL  # unsigned bytes
-        if flags & PyBUF_FORMAT:
-            buffer.format = b"B"
-        buffer.ndim = 1
-        buffer.shape = NULL
-        if flags & PyBUF_ND:
-            buffer.shape = self.shape
-        buffer.strides = NULL
-        buffer.suboffsets = NULL
-        buffer.internal = NULL
-
-    def __dealloc__(self):
-        self.free.append(self.region)
-
-
 @cython.final
 cdef class Stepper:
     """Steps one env under an autoreset mode and writes its results into a row.
@@ -400,167 +329,8 @@ cdef uint64_t _now_ns() noexcept nogil:
     return <uint64_t>now.tv_sec * 1000000000 + <uint64_t>now.tv_nsec
 
 
-cdef extern from "result_ring.h" namespace "shmvec":
-    cdef struct RowRef:
-        uint32_t slot
-        uint32_t row
-
-    cdef cppclass ResultRing:
-        ResultRing(void* words, uint32_t num_slots, uint32_t batch_size) nogil
-        RowRef claim() nogil
-        void publish(uint32_t slot) nogil
-
-    cdef cppclass DoorbellWords:
-        pass
-
-    cdef cppclass Doorbell:
-        Doorbell(DoorbellWords* words) nogil
-        void ring() nogil
-        WaitStatus wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
-                        uint32_t* out) nogil
-
-
-cdef class EnvBook:
-    """[main] Async mode's per-env books (``AsyncEngine``) in C loops: which envs
-    await a command, their commands in the segment, and their workers'
-    doorbells. ``idle_ids`` answers None where anything is off: the engine's
-    own checks then say what.
-
-    Args: ``awaiting`` (bool per env, viewed as uint8), ``commands`` (the
-    segment's env commands), ``last_command`` (uint8 per env), ``env_worker``
-    (int64 per env) and the doorbells' addresses, by worker.
-    """
-
-    cdef uint8_t[::1] awaiting, commands, last_command, seen, ringing
-    cdef const int64_t[::1] env_worker
-    cdef Doorbell** bells
-    cdef Py_ssize_t num_workers
-
-    def __cinit__(self, uint8_t[::1] awaiting, uint8_t[::1] commands,
-                  uint8_t[::1] last_command, const int64_t[::1] env_worker, list bell_addresses):
-        self.awaiting, self.commands, self.last_command = awaiting, commands, last_command
-        self.env_worker = env_worker
-        self.seen = _zeros(awaiting.shape[0], dtype="uint8")
-        self.num_workers = len(bell_addresses)
-        self.ringing = _zeros(self.num_workers, dtype="uint8")
-        self.bells = <Doorbell**>PyMem_Malloc(self.num_workers * sizeof(Doorbell*))
-        if self.bells == NULL:
-            raise MemoryError()
-        cdef Py_ssize_t w
-        for w in range(self.num_workers):
-            self.bells[w] = new Doorbell(<DoorbellWords*><uintptr_t>bell_addresses[w])
-
-    def __dealloc__(self):
-        cdef Py_ssize_t w
-        if self.bells != NULL:
-            for w in range(self.num_workers):
-                del self.bells[w]
-            PyMem_Free(self.bells)
-
-    def idle_ids(self, object env_ids):
-        """``env_ids`` itself if it is a 1-D contiguous int64 array of distinct
-        envs that all await a command, else None."""
-        cdef const int64_t[::1] ids
-        if type(env_ids) is not _ndarray:
-            return None
-        try:
-            ids = env_ids
-        except (ValueError, TypeError, BufferError):
-            return None
-        cdef Py_ssize_t i, marked = 0, n = self.awaiting.shape[0]
-        cdef int64_t e
-        cdef bint ok = True
-        for i in range(ids.shape[0]):
-            e = ids[i]
-            if e < 0 or e >= n or self.seen[e] or not self.awaiting[e]:
-                ok = False
-                break
-            self.seen[e] = 1
-            marked += 1
-        for i in range(marked):
-            self.seen[ids[i]] = 0
-        return env_ids if ok else None
-
-    def start(self, const int64_t[::1] ids, uint8_t command):
-        """Gives each env of ``ids`` (checked) ``command``, then rings each of
-        their workers' doorbells once (the command before the ring: protocol.py)."""
-        cdef Py_ssize_t i, w
-        cdef int64_t e
-        for i in range(ids.shape[0]):
-            e = ids[i]
-            self.commands[e] = command
-            self.last_command[e] = command
-            self.awaiting[e] = 0
-            self.ringing[self.env_worker[e]] = 1
-        for w in range(self.num_workers):
-            if self.ringing[w]:
-                self.ringing[w] = 0
-                self.bells[w].ring()
-
-    def received(self, const int32_t[::1] row_env_ids):
-        """A batch's env ids (a ring slot's), as int64; each env awaits a command
-        again."""
-        cdef Py_ssize_t i, n = row_env_ids.shape[0]
-        out = _empty(n, dtype="int64")
-        cdef int64_t[::1] ids = out
-        for i in range(n):
-            ids[i] = row_env_ids[i]
-            self.awaiting[ids[i]] = 1
-        return out
-
-
-cdef class WorkerDoorbell:
-    """A worker's side of its Doorbell at ``address`` (csrc/result_ring.h)."""
-
-    cdef Doorbell* bell
-
-    def __cinit__(self, uintptr_t address):
-        self.bell = new Doorbell(<DoorbellWords*>address)
-
-    def __dealloc__(self):
-        del self.bell
-
-    def wait(self, uint32_t last, int64_t spin_ns, int64_t timeout_ns):
-        """The new ring count, or None on timeout."""
-        cdef uint32_t seen = 0
-        cdef WaitStatus status
-        with nogil:
-            status = self.bell.wait(last, spin_ns, timeout_ns, &seen)
-        if status == WaitStatus.kReady:
-            return seen
-        if status == WaitStatus.kTimedOut:
-            return None
-        raise OSError(errno, "futex wait failed in a shmvec worker")
-
-
-cdef class WorkerRing:
-    """A worker's side of the ResultRing at ``address`` (csrc/result_ring.h)."""
-
-    cdef ResultRing* ring
-
-    def __cinit__(self, uintptr_t address, uint32_t num_slots, uint32_t batch_size):
-        self.ring = new ResultRing(<void*>address, num_slots, batch_size)
-
-    def __dealloc__(self):
-        del self.ring
-
-    def claim(self):
-        """(slot, row) of the next free row (a replacement worker's recovery)."""
-        cdef RowRef ref
-        with nogil:
-            ref = self.ring.claim()
-        return ref.slot, ref.row
-
-    def publish(self, uint32_t slot):
-        with nogil:
-            self.ring.publish(slot)
-
-
-
-def _format_exc():
-    import traceback
-
-    return traceback.format_exc()
+include "_ring.pxi"
+include "_main_side.pxi"
 
 
 @cython.final
@@ -576,26 +346,18 @@ cdef class Block:
     Which thread may call: the worker's own; a ``part`` (one env alone, with
     its own words): the one thread that runs that env.
 
-    Built with the envs and the barrier; the worker sets the rest:
-
-    - ``action_views``: the action slab's columns. ``slots``: each ring slot's
-      ``SlotColumns``; ``info_columns``: its ``InfoColumns``; ``regions``: the
-      lease regions' observation columns (protocol.REGION_SHIFT).
-    - ``autoreset``: per env, whether its last step ended an episode.
-    - This worker's words (protocol.LINE_*), each a 1-element view: ``flag``
-      (a message follows), ``current_env`` (1 + the env running, 0 between
-      envs), ``finished`` (last generation done), ``busy_ns`` and, in async
-      mode, ``env_started`` (when the running env began, CLOCK_MONOTONIC).
-    - Async mode: ``ring``, ``commands`` (the block's env commands) and
-      ``restarted`` (per env: report ``restart(i, command)`` for its next command).
-    - Callbacks: ``on_error(i, exc)`` (``on_env_error="reset"``: the result to
-      report instead of raising, or None), ``send(message)``,
-      ``build_message(infos, errors, obs_views, announced)`` (the round's message
-      dict, empty when there is nothing to send), ``take_reset_args(env_id)``
-      (seed, options), ``restart(i, command)``; ``i`` counts from the
-      worker's first env. ``row_lock``: held from a row's claim to its
-      message's send when threads run parts (the main process reads a
-      worker's row messages in claim order).
+    Built with the envs and the barrier; the worker sets the rest (see
+    shmvec/worker.py): the segment's views (``action_views``; per ring slot
+    ``slots`` and ``info_columns``; the lease ``regions``), per env
+    ``autoreset``, this worker's words (protocol.LINE_*: ``flag``,
+    ``current_env``, ``finished``, ``busy_ns``, ``env_started``), in async mode
+    ``ring``, the block's env ``commands`` and ``restarted`` (report
+    ``restart(i, command)`` for the next command), and the callbacks:
+    ``on_error(i, exc)`` (the result to report instead of raising), ``send``,
+    ``build_message(infos, errors, obs_views, announced)`` (empty: nothing to
+    send), ``take_reset_args(env_id)``; ``i`` counts from the worker's first
+    env. ``row_lock``: held from a row's claim to its message's send when
+    threads run parts (main reads a worker's row messages in claim order).
     """
 
     cdef readonly Stepper stepper
@@ -619,8 +381,7 @@ cdef class Block:
     def part(self, Py_ssize_t i, uint32_t[::1] current_env, uint64_t[::1] env_started=None):
         """Env ``i`` of the block alone, publishing in ``current_env`` and
         ``env_started`` (a thread's scratch words, or the worker's)."""
-        cdef Block part = Block(self.stepper, self.envs[i : i + 1], self.first_row + i,
-                                self.barrier)
+        cdef Block part = Block(self.stepper, self.envs[i:i + 1], self.first_row + i, self.barrier)
         part.first_index = self.first_index + i
         part.generation = self.generation
         part.action_views, part.slots = self.action_views, self.slots
