@@ -414,8 +414,9 @@ class ConcurrentEnvs:
         announced: list = []
         size = len(block.envs)
         for i in range(size):
+            env = block.part(i, block.current_env)
             before = self._sample()
-            part = block.part(i, block.current_env).step_block(action_views, obs_views, slot)
+            part = env.step_block(action_views, obs_views, slot)
             after = self._sample()
             _extend(infos, errors, announced, part)
             if self.governor.add(before, after):
@@ -503,8 +504,9 @@ class ConcurrentEnvs:
             command = commands[i]
             if not command:
                 continue
+            env = block.part(i, block.current_env, block.env_started)
             before = self._sample()
-            block.part(i, block.current_env, block.env_started).step_pending()
+            env.step_pending()
             after = self._sample()
             # A reset tells nothing of the steps (the first commands are resets).
             if command == ENV_STEP and self.governor.add(before, after):
