@@ -1,7 +1,8 @@
 """Types of shmvec._worker_loop (compiled from _worker_loop.pyx)."""
 
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
@@ -10,19 +11,19 @@ from shmvec.layout import Codec, SlotViews
 
 # A result, as Stepper.advance returns it: (obs, reward, terminated, truncated,
 # infos to merge or None).
-Result = tuple[Any, float, bool, bool, list[dict[str, Any]] | None]
+_Result = tuple[Any, float, bool, bool, list[dict[str, Any]] | None]
 # A barrier command: (generation, kind, arg).
-Command = tuple[int, int, int]
+_Command = tuple[int, int, int]
 # A buffer of one element of the worker's line (a 1-element numpy view).
-Word = npt.NDArray[np.uint32] | memoryview
-Word64 = npt.NDArray[np.uint64] | memoryview
-Bytes = npt.NDArray[np.uint8] | memoryview
+_Word = npt.NDArray[np.uint32] | memoryview
+_Word64 = npt.NDArray[np.uint64] | memoryview
+_Bytes = npt.NDArray[np.uint8] | memoryview
 
 class WorkerBarrier:
     def __init__(self, address: int, num_workers: int) -> None: ...
     def wait_command(
         self, last_generation: int, spin_ns: int, timeout_ns: int
-    ) -> Command | None: ...
+    ) -> _Command | None: ...
     def arrive(self, message: bool = False) -> None: ...
     def generation_now(self) -> int: ...
 
@@ -51,16 +52,18 @@ class RegionLease:
     def __init__(
         self, segment: Any, address: int, size: int, free: list[int], region: int
     ) -> None: ...
-    def __buffer__(self, flags: int, /) -> memoryview: ...
+    if sys.version_info >= (3, 12):
+        def __buffer__(self, flags: int, /) -> memoryview: ...
 
+@final
 class Stepper:
     actions_by_value: bool
     def __init__(self, action_codec: Codec, obs_codec: Codec, mode: int) -> None: ...
-    def write(self, obs_views: Any, slot: SlotColumns, row: int, result: Result) -> None: ...
+    def write(self, obs_views: Any, slot: SlotColumns, row: int, result: _Result) -> None: ...
 
 def reset_result(
     env: Any, seed: int | None, options: dict[str, Any] | None, extra: dict[str, Any] | None = None
-) -> Result: ...
+) -> _Result: ...
 
 class EnvBook:
     def __init__(
@@ -84,6 +87,7 @@ class WorkerRing:
     def claim(self) -> tuple[int, int]: ...
     def publish(self, slot: int) -> None: ...
 
+@final
 class Block:
     @property
     def stepper(self) -> Stepper: ...
@@ -100,25 +104,25 @@ class Block:
     slots: list[SlotColumns]
     regions: list[list[np.ndarray]]
     info_columns: list[InfoColumns]
-    autoreset: Bytes
-    flag: Word
-    current_env: Word
-    finished: Word
-    busy_ns: Word64
-    env_started: Word64 | None
+    autoreset: _Bytes
+    flag: _Word
+    current_env: _Word
+    finished: _Word
+    busy_ns: _Word64
+    env_started: _Word64 | None
     ring: WorkerRing | None
-    commands: Bytes | None
-    restarted: Bytes | None
-    on_error: Callable[[int, BaseException], Result] | None
+    commands: _Bytes | None
+    restarted: _Bytes | None
+    on_error: Callable[[int, BaseException], _Result] | None
     send: Callable[[dict[str, Any]], None]
     build_message: Callable[[list, list, Any, list], dict[str, Any]]
     take_reset_args: Callable[[int], tuple[int | None, dict[str, Any] | None]]
-    restart: Callable[[int, int], Result]
+    restart: Callable[[int, int], _Result]
     row_lock: Any
     def __init__(
         self, stepper: Stepper, envs: list[Any], first_row: int, barrier: WorkerBarrier
     ) -> None: ...
-    def part(self, i: int, current_env: Word, env_started: Word64 | None = None) -> Block: ...
+    def part(self, i: int, current_env: _Word, env_started: _Word64 | None = None) -> Block: ...
     def step_block(
         self, action_views: list[Any], obs_views: Any, slot: int
     ) -> tuple[
@@ -129,5 +133,5 @@ class Block:
     def finish_round(self, message: dict[str, Any] | None, started: int) -> None: ...
     def serve_rounds(
         self, spin_ns: int, timeout_ns: int, max_rounds: int
-    ) -> tuple[int, Command | None]: ...
+    ) -> tuple[int, _Command | None]: ...
     def step_pending(self) -> None: ...
