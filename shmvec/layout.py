@@ -552,7 +552,8 @@ class SlotViews(NamedTuple):
     messages: np.ndarray
 
 
-# A ring slot's columns after the observation's, by SlotViews field, per row.
+# A ring slot's columns after the observation's, by SlotViews field (its
+# constructor rejects a name it lacks), per row.
 RESULT_COLUMNS = {
     "rewards": ColumnSpec(np.dtype(np.float64), ()),
     "terminations": ColumnSpec(np.dtype(np.uint8), ()),
@@ -562,8 +563,6 @@ RESULT_COLUMNS = {
     "env_ids": ColumnSpec(np.dtype(np.int32), ()),  # which env wrote the row (async mode)
     "messages": ColumnSpec(np.dtype(np.uint8), ()),  # 1: a pickled message follows (async)
 }
-if tuple(RESULT_COLUMNS) != SlotViews._fields[1:]:
-    raise ImportError("shmvec.layout: RESULT_COLUMNS and SlotViews name other columns")
 
 
 def make_layout(spec: Any) -> SegmentLayout:
