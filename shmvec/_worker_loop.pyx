@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The worker's hot path: wait for a command, step a block of envs, arrive
-(and ``count_ended``, the one piece of a step the main process runs here).
+"""The worker's hot path: wait for a command, step a block of envs, arrive.
+Included: _ring.pxi (async mode's ring and doorbells), _main_side.pxi (the
+main process's loops over the same columns, such as ``count_ended``).
 
 Compiled with Cython and linked against the C++ core (csrc/barrier.h), so
 the barrier calls go straight to C++ with the GIL released, and rewards and
@@ -17,6 +18,8 @@ from cpython.buffer cimport (
 from libc.string cimport memcpy, memset
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+from traceback import format_exc as _format_exc
 
 from numpy import empty as _empty
 from numpy import ndarray as _ndarray
@@ -197,85 +200,12 @@ cdef class SlotColumns:
         return self.obs
 
 
-def count_ended(SlotColumns slot):
-    """[main] How many rows of ``slot`` ended an episode (terminated or truncated)."""
-    cdef Py_ssize_t row, ended = 0
-    for row in range(slot.terminations.shape[0]):
-        ended += (slot.terminations[row] | slot.truncations[row]) != 0
-    return ended
-
-
-def uniform_codes(const uint8_t[:, ::1] codes, list columns, Py_ssize_t rows):
-    """[main] Per info column of ``columns``: the type code that rows ``0 ..
-    rows-1`` all have (shmvec/infos.py), or 0 when one lacks the key or the
-    codes differ."""
-    cdef list out = []
-    cdef Py_ssize_t row, column
-    cdef uint8_t first
-    for column in columns:
-        first = codes[0, column] if rows else 0
-        for row in range(1, rows):
-            if codes[row, column] != first:
-                first = 0
-                break
-        out.append(first)
-    return out
-
-
-def row_messages(SlotColumns slot):
-    """[main] Whether a row of ``slot`` has a pickled message (async mode)."""
-    cdef Py_ssize_t row
-    for row in range(slot.messages.shape[0]):
-        if slot.messages[row]:
-            return True
-    return False
-
-
-@cython.no_gc_clear
-cdef class RegionLease:
-    """[main] One lease region of the segment (shmvec/engine/leases.py) as a
-    writable buffer: arrays made over it keep it, and the segment's mapping,
-    alive. When the last of them is gone, ``free.append(region)`` hands the
-    region back for a later batch."""
-
-    cdef object segment
-    cdef char* data
-    cdef Py_ssize_t shape[1]
-    cdef list free
-    cdef Py_ssize_t region
-
-    def __cinit__(self, object segment, uintptr_t address, Py_ssize_t size, list free,
-                  Py_ssize_t region):
-        self.segment, self.free, self.region = segment, free, region
-        self.data = <char*>address
-        self.shape[0] = size
-
-    def __getbuffer__(self, Py_buffer* buffer, int flags):
-        buffer.buf = self.data
-        buffer.obj = self
-        buffer.len = self.shape[0]
-        buffer.readonly = 0
-        buffer.itemsize = 1
-        buffer.format = NULL  # unsigned bytes
-        if flags & PyBUF_FORMAT:
-            buffer.format = b"B"
-        buffer.ndim = 1
-        buffer.shape = NULL
-        if flags & PyBUF_ND:
-            buffer.shape = self.shape
-        buffer.strides = NULL
-        buffer.suboffsets = NULL
-        buffer.internal = NULL
-
-    def __dealloc__(self):
-        self.free.append(self.region)
-
-
+@cython.final
 cdef class Stepper:
     """Steps one env under an autoreset mode and writes its results into a row.
 
-    Shared by the sync block loop (``step_envs``) and the async engine
-    (``step_pending``). Action rows are env ids; result rows are env ids in
+    Shared by the sync block loop (``Block.step_block``) and the async one
+    (``Block.step_pending``). Action rows are env ids; result rows are env ids in
     sync mode and claimed ring rows in async mode.
     """
 
@@ -310,17 +240,11 @@ cdef class Stepper:
         return self.action_codec.read(action_views, env_id)
 
     cdef tuple step_one(self, object env, list action_views, Py_ssize_t env_id,
-                        bint reset_first, object on_error, Py_ssize_t i):
-        """Reads env ``env_id``'s action and ``advance``s it; an exception is
-        ``on_error(i, exc)``'s result (``on_env_error="reset"``) or raised."""
-        try:
-            action = None if (self.mode == NEXT_STEP and reset_first) \
-                else self.read_action(action_views, env_id)
-            return self.advance(env, action, reset_first)
-        except Exception as exc:  # noqa: BLE001
-            if on_error is None:
-                raise
-            return on_error(i, exc)
+                        bint reset_first):
+        """Reads env ``env_id``'s action and ``advance``s it."""
+        action = None if (self.mode == NEXT_STEP and reset_first) \
+            else self.read_action(action_views, env_id)
+        return self.advance(env, action, reset_first)
 
     cdef tuple advance(self, object env, object action, bint reset_first):
         """(obs, reward, terminated, truncated, infos to merge or None)."""
@@ -338,10 +262,10 @@ cdef class Stepper:
             return obs, reward, terminated, truncated, merged
         return obs, reward, terminated, truncated, ([info] if info else None)
 
-    cdef void write(self, object obs_views, double[::1] rewards,
-                    uint8_t[::1] terminations, uint8_t[::1] truncations,
-                    Py_ssize_t row, tuple result) except *:
-        """Stores ``result`` (from ``advance``) at ``row``."""
+    cpdef write(self, object obs_views, SlotColumns slot, Py_ssize_t row, tuple result):
+        """Stores ``result`` (from ``advance``) at ``row`` of ring slot ``slot``;
+        ``obs_views``: where its observation goes (the slot's columns, a lease
+        region's, or the dict of a pickled space)."""
         obs, reward, terminated, truncated = result[0], result[1], result[2], result[3]
         if self.direct_obs:
             if (obs.shape if type(obs) is _ndarray else _shape(obs)) != self.obs_shape:
@@ -351,14 +275,9 @@ cdef class Stepper:
                 obs_views[0][row] = obs  # numpy casts, or copies a strided array
         else:
             self.obs_codec.write(obs_views, row, obs)
-        rewards[row] = reward
-        terminations[row] = 1 if terminated else 0
-        truncations[row] = 1 if truncated else 0
-
-    def write_row(self, object obs_views, object views, Py_ssize_t row, tuple result):
-        """``write`` into ring slot ``views`` (a SlotViews); ``obs_views``: its
-        observation columns, or the dict of a pickled space. For restarts."""
-        self.write(obs_views, views.rewards, views.terminations, views.truncations, row, result)
+        slot.rewards[row] = reward
+        slot.terminations[row] = 1 if terminated else 0
+        slot.truncations[row] = 1 if truncated else 0
 
 
 cdef object pickled_infos(tuple result, InfoColumns columns, Py_ssize_t row, list announced):
@@ -403,75 +322,6 @@ cdef bint _copy_row(object column, Py_ssize_t row, object value, Py_ssize_t nbyt
     return True
 
 
-def step_envs(
-    Stepper stepper,
-    list envs,
-    Py_ssize_t first_row,
-    list action_views,
-    object obs_views,
-    SlotColumns slot,
-    uint8_t[::1] autoreset,
-    InfoColumns info_columns,
-    uint32_t[::1] current_env,
-    object on_error=None,
-):
-    """Sync mode: steps ``envs`` (rows ``first_row ...``) and writes their results
-    into ``slot``.
-
-    ``action_views`` are the action slab's columns, or, for a pickled action
-    space, a list of per-env actions. ``obs_views`` are the slot's observation
-    columns, or a dict that collects pickled observations. ``autoreset``
-    holds, per env of the block, whether its previous step ended an episode
-    (NEXT_STEP mode resets it now instead of stepping).
-
-    Returns ``(infos, errors, announced)``: ``infos`` is a list of ``(row,
-    [info, ...])`` for envs with something to pickle, in row order, each list
-    merged in order with ``VectorEnv._add_info``; numeric scalar infos go to
-    ``info_columns`` instead, and ``announced`` lists the ``(key, column)``
-    pairs new this round. ``errors`` is a list of ``(row, exception,
-    traceback_text)``. An env that raised keeps its previous results, unless
-    ``on_error(i, exc)`` (``on_env_error="reset"``) gives a result to report
-    instead: the env, reset, ends a truncated episode.
-    ``current_env[0]`` says which env runs (1 + its row; 0 after the block), so
-    that a timeout can name it.
-    """
-    return _step_block(stepper, envs, first_row, action_views, obs_views, slot, autoreset,
-                       info_columns, current_env, on_error)
-
-
-cdef tuple _step_block(Stepper stepper, list envs, Py_ssize_t first_row, list action_views,
-                       object obs_views, SlotColumns slot, uint8_t[::1] autoreset,
-                       InfoColumns info_columns, uint32_t[::1] current_env, object on_error):
-    cdef Py_ssize_t i, row
-    cdef list infos = []
-    cdef list errors = []
-    cdef list announced = []
-    cdef tuple result
-    for i in range(len(envs)):
-        row = first_row + i
-        current_env[0] = row + 1
-        info_columns.clear(row)
-        try:
-            try:
-                result = stepper.step_one(envs[i], action_views, row, autoreset[i], None, i)
-                stepper.write(obs_views, slot.rewards, slot.terminations, slot.truncations,
-                              row, result)
-            except Exception as exc:  # noqa: BLE001 - a failed write resets too
-                if on_error is None:
-                    raise
-                result = on_error(i, exc)
-                stepper.write(obs_views, slot.rewards, slot.terminations, slot.truncations,
-                              row, result)
-            autoreset[i] = 1 if (result[2] or result[3]) else 0
-            merged = pickled_infos(result, info_columns, row, announced)
-            if merged is not None:
-                infos.append((row, merged))
-        except Exception as exc:  # noqa: BLE001 - re-raised in the main process
-            errors.append((row, exc, _format_exc()))
-    current_env[0] = 0
-    return infos, errors, announced
-
-
 cdef uint64_t _now_ns() noexcept nogil:
     """CLOCK_MONOTONIC in ns (``time.perf_counter_ns`` on Linux)."""
     cdef timespec now
@@ -479,364 +329,272 @@ cdef uint64_t _now_ns() noexcept nogil:
     return <uint64_t>now.tv_sec * 1000000000 + <uint64_t>now.tv_nsec
 
 
-cdef class SerialRounds:
-    """A worker's plain sync STEP rounds (actions in the slab, observations in
-    columns, the Cython loop), run here with no Python frame a round.
+include "_ring.pxi"
+include "_main_side.pxi"
 
-    ``serve`` does what ``Worker.serve`` and ``Worker._run_command`` do for
-    such a round (a fifth of a no-op env's round trip was those frames):
-    step the block, publish the worker's words, arrive, send a message if
-    the round has one (``message(infos, errors, obs_views, announced)``
-    builds it, ``send(message)`` sends it). Any other command goes back to
-    the Python loop.
+
+@cython.final
+cdef class Block:
+    """One worker's envs and everything of the segment its loops write: the one
+    object that crosses into these loops and into the threads of
+    shmvec/concurrent_envs.py.
+
+    Data flow: a sync round steps every env into its row ``first_row + i`` of
+    a ring slot (``step_block``; ``serve_rounds`` runs plain step rounds with
+    no Python frame a round) and ends in ``finish_round``; async mode runs
+    each env that has a command into a ring row it claims (``step_pending``).
+    Which thread may call: the worker's own; a ``part`` (one env alone, with
+    its own words): the one thread that runs that env.
+
+    Built with the envs and the barrier; the worker sets the rest (see
+    shmvec/worker.py): the segment's views (``action_views``; per ring slot
+    ``slots`` and ``info_columns``; the lease ``regions``), per env
+    ``autoreset``, this worker's words (protocol.LINE_*: ``flag``,
+    ``current_env``, ``finished``, ``busy_ns``, ``env_started``), in async mode
+    ``ring``, the block's env ``commands`` and ``restarted`` (report
+    ``restart(i, command)`` for the next command), and the callbacks:
+    ``on_error(i, exc)`` (the result to report instead of raising), ``send``,
+    ``build_message(infos, errors, obs_views, announced)`` (empty: nothing to
+    send), ``take_reset_args(env_id)``; ``i`` counts from the worker's first
+    env. ``row_lock``: held from a row's claim to its message's send when
+    threads run parts (main reads a worker's row messages in claim order).
     """
 
-    cdef WorkerBarrier barrier
-    cdef Stepper stepper
-    cdef list envs, action_views, slots, regions, info_columns
-    cdef Py_ssize_t first_row
-    cdef uint8_t[::1] autoreset
-    cdef uint32_t[::1] flag
-    cdef uint32_t[::1] current_env
-    cdef uint32_t[::1] finished
-    cdef uint64_t[::1] busy_ns
-    cdef object on_error, message, send
+    cdef readonly Stepper stepper
+    cdef readonly list envs
+    cdef readonly Py_ssize_t first_row  # the env id of envs[0]
+    cdef readonly Py_ssize_t first_index  # envs[0]'s index in the worker's block
+    cdef readonly WorkerBarrier barrier
+    cdef public uint32_t generation  # the last barrier command's
+    cdef public list action_views, slots, regions, info_columns
+    cdef public uint8_t[::1] autoreset
+    cdef public uint32_t[::1] flag, current_env, finished
+    cdef public uint64_t[::1] busy_ns, env_started
+    cdef public WorkerRing ring
+    cdef public uint8_t[::1] commands, restarted
+    cdef public object on_error, send, build_message, take_reset_args, restart, row_lock
 
-    def __cinit__(self, WorkerBarrier barrier, Stepper stepper, list envs, Py_ssize_t first_row,
-                  list action_views, list slots, list regions, list info_columns,
-                  uint8_t[::1] autoreset, uint32_t[::1] flag, uint32_t[::1] current_env,
-                  uint32_t[::1] finished, uint64_t[::1] busy_ns, object on_error,
-                  object message, object send):
-        self.barrier, self.stepper, self.envs, self.first_row = barrier, stepper, envs, first_row
-        self.action_views, self.slots, self.info_columns = action_views, slots, info_columns
-        self.regions = regions  # lease regions' observation columns (Worker._obs_target)
-        self.autoreset, self.flag, self.current_env = autoreset, flag, current_env
-        self.finished, self.busy_ns = finished, busy_ns
-        self.on_error, self.message, self.send = on_error, message, send
+    def __cinit__(self, Stepper stepper, list envs, Py_ssize_t first_row, WorkerBarrier barrier):
+        self.stepper, self.envs, self.first_row, self.barrier = stepper, envs, first_row, barrier
+        self.env_started = self.commands = self.restarted = None  # async mode's
 
-    def serve(self, uint32_t generation, int64_t spin_ns, int64_t timeout_ns,
-              Py_ssize_t max_rounds):
-        """Waits for commands after ``generation`` and runs them while they are
-        plain STEP rounds, at most ``max_rounds``. Returns ``(generation,
-        rounds run, command)``: ``command`` is the first other command, as
-        ``WorkerBarrier.wait_command`` returns it, or None (a wait timed out,
-        or ``max_rounds`` ran)."""
+    def part(self, Py_ssize_t i, uint32_t[::1] current_env, uint64_t[::1] env_started=None):
+        """Env ``i`` of the block alone, publishing in ``current_env`` and
+        ``env_started`` (a thread's scratch words, or the worker's)."""
+        cdef Block part = Block(self.stepper, self.envs[i:i + 1], self.first_row + i, self.barrier)
+        part.first_index = self.first_index + i
+        part.generation = self.generation
+        part.action_views, part.slots = self.action_views, self.slots
+        part.regions, part.info_columns = self.regions, self.info_columns
+        part.autoreset = self.autoreset[i : i + 1]
+        part.flag, part.finished, part.busy_ns = self.flag, self.finished, self.busy_ns
+        part.current_env, part.env_started = current_env, env_started
+        part.ring = self.ring
+        if self.commands is not None:
+            part.commands = self.commands[i : i + 1]
+        if self.restarted is not None:
+            part.restarted = self.restarted[i : i + 1]
+        part.on_error, part.send, part.build_message = self.on_error, self.send, self.build_message
+        part.take_reset_args, part.restart = self.take_reset_args, self.restart
+        part.row_lock = self.row_lock
+        return part
+
+    cdef tuple reported(self, Py_ssize_t i, object exc):
+        """What env ``i`` reports after raising ``exc``: ``on_error``'s result,
+        or ``exc`` raised again."""
+        if self.on_error is None:
+            raise exc
+        return self.on_error(self.first_index + i, exc)
+
+    cpdef tuple step_block(self, list action_views, object obs_views, Py_ssize_t slot):
+        """Sync mode: steps every env and writes its results at its row of ring
+        slot ``slot``.
+
+        ``action_views`` are the action slab's columns, or, this round's actions
+        by value, a list of per-env actions. ``obs_views`` are where the
+        observations go: the slot's columns, a lease region's, or a dict that
+        collects pickled observations.
+
+        Returns ``(infos, errors, announced)``: ``infos`` is a list of ``(row,
+        [info, ...])`` for envs with something to pickle, in row order, each
+        list merged in order with ``VectorEnv._add_info``; numeric scalar infos
+        go to the slot's info columns instead, and ``announced`` lists the
+        ``(key, column)`` pairs new this round. ``errors`` is a list of ``(row,
+        exception, traceback_text)``. An env that raised keeps its previous
+        results, unless ``on_error`` gives a result to report instead.
+        """
+        cdef Py_ssize_t i, row
+        cdef list infos = []
+        cdef list errors = []
+        cdef list announced = []
+        cdef tuple result
+        cdef SlotColumns columns = self.slots[slot]
+        cdef InfoColumns info_columns = self.info_columns[slot]
+        cdef Stepper stepper = self.stepper
+        for i in range(len(self.envs)):
+            row = self.first_row + i
+            self.current_env[0] = row + 1
+            info_columns.clear(row)
+            try:
+                try:
+                    result = stepper.step_one(self.envs[i], action_views, row, self.autoreset[i])
+                    stepper.write(obs_views, columns, row, result)
+                except Exception as exc:  # noqa: BLE001 - a failed write resets too
+                    result = self.reported(i, exc)
+                    stepper.write(obs_views, columns, row, result)
+                self.autoreset[i] = 1 if (result[2] or result[3]) else 0
+                merged = pickled_infos(result, info_columns, row, announced)
+                if merged is not None:
+                    infos.append((row, merged))
+            except Exception as exc:  # noqa: BLE001 - re-raised in the main process
+                errors.append((row, exc, _format_exc()))
+        self.current_env[0] = 0
+        return infos, errors, announced
+
+    cpdef finish_round(self, object message, uint64_t started):
+        """Ends this worker's part of the sync round begun at ``started``
+        (CLOCK_MONOTONIC ns, ``time.perf_counter_ns``): publishes its words,
+        arrives, and only then sends ``message`` (if any), so that a large
+        message never blocks a worker the main process still waits for."""
+        cdef bint has_message = bool(message)
+        if has_message:
+            self.flag[0] = 1
+        self.current_env[0] = 0
+        # Every write to this worker's line before arrive(): the main process
+        # reads it right after, and a later write would pull the line back.
+        self.busy_ns[0] += _now_ns() - started
+        self.finished[0] = self.generation
+        with nogil:
+            self.barrier.barrier.arrive(has_message)
+        if has_message:
+            self.send(message)
+
+    def serve_rounds(self, int64_t spin_ns, int64_t timeout_ns, Py_ssize_t max_rounds):
+        """Sync mode: waits for commands after ``generation`` and runs them while
+        they are plain STEP rounds (actions in the slab, observations in
+        columns), at most ``max_rounds``, with no Python frame a round.
+        Returns ``(rounds run, command)``: ``command`` is the first other
+        command, as ``WorkerBarrier.wait_command`` returns it, or None (a wait
+        timed out, or ``max_rounds`` ran)."""
         cdef Command command
         cdef WaitStatus status
         cdef Py_ssize_t rounds = 0
         cdef uint32_t index, region
         cdef uint64_t started
-        cdef SlotColumns slot
-        cdef list obs
-        cdef tuple parts
-        cdef bint has_message
+        cdef object obs
+        cdef list infos, errors, announced
         while rounds < max_rounds:
             with nogil:
-                status = self.barrier.barrier.wait_command(generation, spin_ns, timeout_ns,
+                status = self.barrier.barrier.wait_command(self.generation, spin_ns, timeout_ns,
                                                            &command)
             if status == WaitStatus.kTimedOut:
                 break
             if status != WaitStatus.kReady:
                 raise OSError(errno, "futex wait failed in a shmvec worker")
             if command.kind != STEP or command.arg & BY_VALUE_BIT:
-                return generation, rounds, (command.generation, command.kind, command.arg)
+                return rounds, (command.generation, command.kind, command.arg)
             started = _now_ns()
-            generation = command.generation
+            self.generation = command.generation
             index = command.arg & SLOT_MASK
             region = (command.arg >> REGION_SHIFT) & REGION_MASK
-            slot = self.slots[index]
-            obs = self.regions[region - 1] if region else slot.obs
+            obs = self.regions[region - 1] if region else (<SlotColumns>self.slots[index]).obs
             self.stepper.actions_by_value = False
-            parts = _step_block(self.stepper, self.envs, self.first_row, self.action_views,
-                                obs, slot, self.autoreset, self.info_columns[index],
-                                self.current_env, self.on_error)
+            infos, errors, announced = self.step_block(self.action_views, obs, index)
             message = None
-            has_message = parts[0] or parts[1] or parts[2]
-            if has_message:
-                message = self.message(parts[0], parts[1], obs, parts[2])
-                self.flag[0] = 1
-            # Every write to this worker's line before arrive(): see Worker._run_command.
-            self.busy_ns[0] += _now_ns() - started
-            self.finished[0] = generation
-            with nogil:
-                self.barrier.barrier.arrive(has_message)
-            if has_message:
-                self.send(message)
+            if infos or errors or announced:
+                message = self.build_message(infos, errors, obs, announced)
+            self.finish_round(message, started)
             rounds += 1
-        return generation, rounds, None
+        return rounds, None
 
+    cpdef step_pending(self):
+        """Async mode: runs every env of the block that has a command, in env order.
 
-cdef extern from "result_ring.h" namespace "shmvec":
-    cdef struct RowRef:
-        uint32_t slot
-        uint32_t row
+        For each: clears its command, resets or steps it, claims the next ring
+        row, writes the results and its env id there, and publishes the row.
+        Infos that are not columns, errors and pickled observations go to
+        ``send`` *after* the publish, with the row; a row whose info opened new
+        info columns carries ``info_columns``, so the main process learns them
+        before it decodes that row. A failed reset is an error; a failed step
+        is ``on_error``'s. After a restart, an env whose ``restarted`` flag is
+        set reports ``restart(i, command)`` for its first command instead.
 
-    cdef cppclass ResultRing:
-        ResultRing(void* words, uint32_t num_slots, uint32_t batch_size) nogil
-        RowRef claim() nogil
-        void publish(uint32_t slot) nogil
+        ``current_env[0]`` is set before an env's command is cleared, and back
+        to 0 only when the block is done, so that the main process can tell a
+        worker with nothing left to do (its envs' commands clear,
+        ``current_env`` 0). ``env_started[0]`` gets the time each env begins.
+        """
+        cdef Py_ssize_t i, env_id
+        cdef uint8_t command
+        cdef tuple result
+        cdef Stepper stepper = self.stepper
+        for i in range(len(self.envs)):
+            command = self.commands[i]
+            if command == ENV_IDLE:
+                continue
+            env_id = self.first_row + i
+            if self.env_started is not None:
+                self.env_started[0] = _now_ns()
+            self.current_env[0] = env_id + 1
+            self.commands[i] = ENV_IDLE  # before the publish: main may send again right after
+            error = None
+            try:
+                if self.restarted is not None and self.restarted[i]:
+                    self.restarted[i] = 0
+                    result = self.restart(self.first_index + i, command)
+                elif command == ENV_RESET:
+                    result = reset_result(self.envs[i], *self.take_reset_args(env_id))
+                else:
+                    try:
+                        result = stepper.step_one(self.envs[i], self.action_views, env_id,
+                                                  self.autoreset[i])
+                    except Exception as exc:  # noqa: BLE001
+                        result = self.reported(i, exc)
+                self.autoreset[i] = 1 if (result[2] or result[3]) else 0
+            except Exception as exc:  # noqa: BLE001 - re-raised in the main process
+                error = (env_id, exc, _format_exc())
+            if self.row_lock is not None:  # released after the send
+                self.row_lock.acquire()
+            try:
+                self.publish_row(env_id, result, error)
+            finally:
+                if self.row_lock is not None:
+                    self.row_lock.release()
+        self.current_env[0] = 0
 
-    cdef cppclass DoorbellWords:
-        pass
-
-    cdef cppclass Doorbell:
-        Doorbell(DoorbellWords* words) nogil
-        void ring() nogil
-        WaitStatus wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
-                        uint32_t* out) nogil
-
-
-cdef class EnvBook:
-    """[main] Async mode's per-env books (``AsyncEngine``) in C loops: which envs
-    await a command, their commands in the segment, and their workers'
-    doorbells. ``idle_ids`` answers None where anything is off: the engine's
-    own checks then say what.
-
-    Args: ``awaiting`` (bool per env, viewed as uint8), ``commands`` (the
-    segment's env commands), ``last_command`` (uint8 per env), ``env_worker``
-    (int64 per env) and the doorbells' addresses, by worker.
-    """
-
-    cdef uint8_t[::1] awaiting, commands, last_command, seen, ringing
-    cdef const int64_t[::1] env_worker
-    cdef Doorbell** bells
-    cdef Py_ssize_t num_workers
-
-    def __cinit__(self, uint8_t[::1] awaiting, uint8_t[::1] commands,
-                  uint8_t[::1] last_command, const int64_t[::1] env_worker, list bell_addresses):
-        self.awaiting, self.commands, self.last_command = awaiting, commands, last_command
-        self.env_worker = env_worker
-        self.seen = _zeros(awaiting.shape[0], dtype="uint8")
-        self.num_workers = len(bell_addresses)
-        self.ringing = _zeros(self.num_workers, dtype="uint8")
-        self.bells = <Doorbell**>PyMem_Malloc(self.num_workers * sizeof(Doorbell*))
-        if self.bells == NULL:
-            raise MemoryError()
-        cdef Py_ssize_t w
-        for w in range(self.num_workers):
-            self.bells[w] = new Doorbell(<DoorbellWords*><uintptr_t>bell_addresses[w])
-
-    def __dealloc__(self):
-        cdef Py_ssize_t w
-        if self.bells != NULL:
-            for w in range(self.num_workers):
-                del self.bells[w]
-            PyMem_Free(self.bells)
-
-    def idle_ids(self, object env_ids):
-        """``env_ids`` itself if it is a 1-D contiguous int64 array of distinct
-        envs that all await a command, else None."""
-        cdef const int64_t[::1] ids
-        if type(env_ids) is not _ndarray:
-            return None
-        try:
-            ids = env_ids
-        except (ValueError, TypeError, BufferError):
-            return None
-        cdef Py_ssize_t i, marked = 0, n = self.awaiting.shape[0]
-        cdef int64_t e
-        cdef bint ok = True
-        for i in range(ids.shape[0]):
-            e = ids[i]
-            if e < 0 or e >= n or self.seen[e] or not self.awaiting[e]:
-                ok = False
-                break
-            self.seen[e] = 1
-            marked += 1
-        for i in range(marked):
-            self.seen[ids[i]] = 0
-        return env_ids if ok else None
-
-    def start(self, const int64_t[::1] ids, uint8_t command):
-        """Gives each env of ``ids`` (checked) ``command``, then rings each of
-        their workers' doorbells once (the command before the ring: protocol.py)."""
-        cdef Py_ssize_t i, w
-        cdef int64_t e
-        for i in range(ids.shape[0]):
-            e = ids[i]
-            self.commands[e] = command
-            self.last_command[e] = command
-            self.awaiting[e] = 0
-            self.ringing[self.env_worker[e]] = 1
-        for w in range(self.num_workers):
-            if self.ringing[w]:
-                self.ringing[w] = 0
-                self.bells[w].ring()
-
-    def received(self, const int32_t[::1] row_env_ids):
-        """A batch's env ids (a ring slot's), as int64; each env awaits a command
-        again."""
-        cdef Py_ssize_t i, n = row_env_ids.shape[0]
-        out = _empty(n, dtype="int64")
-        cdef int64_t[::1] ids = out
-        for i in range(n):
-            ids[i] = row_env_ids[i]
-            self.awaiting[ids[i]] = 1
-        return out
-
-
-cdef class WorkerDoorbell:
-    """A worker's side of its Doorbell at ``address`` (csrc/result_ring.h)."""
-
-    cdef Doorbell* bell
-
-    def __cinit__(self, uintptr_t address):
-        self.bell = new Doorbell(<DoorbellWords*>address)
-
-    def __dealloc__(self):
-        del self.bell
-
-    def wait(self, uint32_t last, int64_t spin_ns, int64_t timeout_ns):
-        """The new ring count, or None on timeout."""
-        cdef uint32_t seen = 0
-        cdef WaitStatus status
-        with nogil:
-            status = self.bell.wait(last, spin_ns, timeout_ns, &seen)
-        if status == WaitStatus.kReady:
-            return seen
-        if status == WaitStatus.kTimedOut:
-            return None
-        raise OSError(errno, "futex wait failed in a shmvec worker")
-
-
-cdef class WorkerRing:
-    """A worker's side of the ResultRing at ``address`` (csrc/result_ring.h)."""
-
-    cdef ResultRing* ring
-
-    def __cinit__(self, uintptr_t address, uint32_t num_slots, uint32_t batch_size):
-        self.ring = new ResultRing(<void*>address, num_slots, batch_size)
-
-    def __dealloc__(self):
-        del self.ring
-
-    def claim(self):
-        """(slot, row) of the next free row (a replacement worker's recovery)."""
+    cdef publish_row(self, Py_ssize_t env_id, tuple result, object error):
+        """Claims a ring row, writes ``result`` (or nothing, for an ``error``)
+        and the env id there, publishes it, then sends its message if any."""
         cdef RowRef ref
+        cdef list announced = []
+        cdef Stepper stepper = self.stepper
         with nogil:
-            ref = self.ring.claim()
-        return ref.slot, ref.row
-
-    def publish(self, uint32_t slot):
+            ref = self.ring.ring.claim()
+        cdef SlotColumns slot = self.slots[ref.slot]
+        cdef InfoColumns columns = self.info_columns[ref.slot]
+        columns.clear(ref.row)
+        message = None
+        if error is None:
+            obs_target = {} if stepper.obs_codec.pickled else slot.obs_columns()
+            try:
+                stepper.write(obs_target, slot, ref.row, result)
+                merged = pickled_infos(result, columns, ref.row, announced)
+                if merged is not None:
+                    message = {"infos": [(ref.row, merged)]}
+                if stepper.obs_codec.pickled:
+                    message = message or {}
+                    message["obs"] = obs_target
+                if announced:
+                    message = message or {}
+                    message["info_columns"] = announced
+            except Exception as exc:  # noqa: BLE001
+                error = (env_id, exc, _format_exc())
+        if error is not None:
+            message = {"errors": [error]}
+        slot.env_ids[ref.row] = env_id
+        slot.messages[ref.row] = 0 if message is None else 1
         with nogil:
-            self.ring.publish(slot)
-
-
-
-def step_pending(
-    Stepper stepper,
-    WorkerRing ring,
-    list envs,
-    Py_ssize_t first_env,
-    uint8_t[::1] commands,
-    object take_reset_args,
-    list action_views,
-    list slots,
-    list info_columns,
-    uint8_t[::1] autoreset,
-    object send_message,
-    uint32_t[::1] current_env,
-    object on_error=None,
-    uint8_t[::1] restarted=None,
-    object restart=None,
-    uint64_t[::1] env_started=None,
-    object row_lock=None,
-):
-    """Async mode: runs every env of the block that has a command, in env order.
-
-    For each: clears its command, resets or steps it, claims the next ring
-    row, writes the results and its env id there, and publishes the row. Infos
-    that are not columns, errors and pickled observations go to
-    ``send_message(dict)`` *after* the publish. ``commands`` is the block's
-    slice of the env commands; ``take_reset_args(env_id)`` returns the
-    (seed, options) of an env's reset.
-
-    A row whose info opened new info columns carries ``info_columns`` in its
-    message, so the main process learns them before it decodes that row.
-    ``on_error`` is as in ``step_envs``, for steps (a failed reset is an error).
-    After a restart (``on_worker_death="restart"``), an env whose ``restarted``
-    flag is set reports ``restart(i, command)`` for its first command instead.
-
-    ``current_env[0]`` is set before an env's command is cleared, and back to 0
-    only when the block is done, so that the main process can tell a worker
-    with nothing left to do (its envs' commands clear, ``current_env`` 0).
-    ``env_started[0]`` gets the CLOCK_MONOTONIC time each env begins
-    (``env_timeout``).
-    ``slots`` are the ring's ``SlotColumns``.
-    ``row_lock``: held from the claim of a row to the send of its message when
-    threads run this for single envs (shmvec/concurrent_envs.py): the main
-    process reads a worker's row messages in the order the rows were claimed.
-    """
-    cdef Py_ssize_t i, env_id
-    cdef uint8_t command
-    cdef RowRef ref
-    cdef list announced
-    cdef tuple result
-    cdef InfoColumns columns
-    cdef SlotColumns slot
-    for i in range(len(envs)):
-        command = commands[i]
-        if command == ENV_IDLE:
-            continue
-        env_id = first_env + i
-        if env_started is not None:
-            env_started[0] = _now_ns()
-        current_env[0] = env_id + 1
-        commands[i] = ENV_IDLE  # before the publish: main may send again right after
-        error = None
-        try:
-            if restarted is not None and restarted[i]:
-                restarted[i] = 0
-                result = restart(i, command)
-            elif command == ENV_RESET:
-                result = reset_result(envs[i], *take_reset_args(env_id))
-            else:
-                result = stepper.step_one(envs[i], action_views, env_id, autoreset[i], on_error, i)
-            autoreset[i] = 1 if (result[2] or result[3]) else 0
-        except Exception as exc:  # noqa: BLE001 - re-raised in the main process
-            error = (env_id, exc, _format_exc())
-        if row_lock is not None:  # hook: concurrent_envs (released after the send)
-            row_lock.acquire()
-        try:
-            with nogil:
-                ref = ring.ring.claim()
-            slot = slots[ref.slot]
-            columns = info_columns[ref.slot]
-            columns.clear(ref.row)
-            message = None
-            announced = []
-            if error is None:
-                obs_target = {} if stepper.obs_codec.pickled else slot.obs_columns()
-                try:
-                    stepper.write(obs_target, slot.rewards, slot.terminations,
-                                  slot.truncations, ref.row, result)
-                    merged = pickled_infos(result, columns, ref.row, announced)
-                    if merged is not None:
-                        message = {"infos": [(ref.row, merged)]}
-                    if stepper.obs_codec.pickled:
-                        message = message or {}
-                        message["obs"] = obs_target
-                    if announced:
-                        message = message or {}
-                        message["info_columns"] = announced
-                except Exception as exc:  # noqa: BLE001
-                    error = (env_id, exc, _format_exc())
-            if error is not None:
-                message = {"errors": [error]}
-            slot.env_ids[ref.row] = env_id
-            slot.messages[ref.row] = 0 if message is None else 1
-            with nogil:
-                ring.ring.publish(ref.slot)
-            if message is not None:
-                message["row"] = (ref.slot, ref.row)
-                send_message(message)
-        finally:
-            if row_lock is not None:
-                row_lock.release()
-    current_env[0] = 0
-
-
-def _format_exc():
-    import traceback
-
-    return traceback.format_exc()
+            self.ring.ring.publish(ref.slot)
+        if message is not None:
+            message["row"] = (ref.slot, ref.row)
+            self.send(message)

@@ -30,8 +30,9 @@ Each env is stepped by one thread at a time and writes its results at its
 own row (sync mode) or a row it claims (async mode), so results never depend
 on timing; infos and errors are gathered per env and returned in row order.
 
-This module is the mechanism; ``shmvec.worker`` hooks it in at three places
-(``ConcurrentEnvs.step_function``, ``.pending_function``, ``.drain``).
+This module is the mechanism; the worker hooks it in where it steps its envs
+(``ConcurrentEnvs.step``, ``.map_envs``; ``.run_pending`` and ``.drain`` in
+``shmvec.wires.AsyncWire``) and before each wait (``.spin_ns``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ from typing import Any
 
 import numpy as np
 
-from shmvec import _worker_loop
 from shmvec.protocol import ENV_STEP
 
 # A step counts as waiting when at least this share of the time it was on a
@@ -290,32 +290,21 @@ class RunningEnvs:
         self.current_env[0] = self._first + oldest + 1
 
 
-def _shifted(callback, i: int):
-    """``callback(i, ...)`` for a stepper that sees env ``i`` as its env 0."""
-    if callback is None:
-        return None
-    return lambda _zero, *args: callback(i, *args)
-
-
 class ConcurrentEnvs:
     """One worker's choice between its serial loop and threads.
 
-    ``step_function()`` and ``pending_function()`` return either the Cython
-    loops of ``shmvec._worker_loop`` or stand-ins with the same signatures
-    that probe (step env by env, measuring) or step envs in threads.
+    ``step`` and ``run_pending`` run a ``_worker_loop.Block``'s own loops, or
+    stand-ins that probe (step env by env, measuring) or step its envs in
+    threads, each env a ``Block.part`` of its own.
     """
 
-    def __init__(
-        self,
-        block_size: int,
-        first_env: int,
-        cap: int | None,
-        current_env,
-        env_started=None,
-        threads_word=None,
-        cpu: int | None = None,
-        pin: bool = False,
-    ) -> None:
+    def __init__(self, block, cap: int | None, threads_word=None, cpu: int | None = None,
+                 pin: bool = False) -> None:  # fmt: skip
+        """``block``: the worker's ``_worker_loop.Block``; ``cap``: envs stepped at
+        once at most (None: the block); ``threads_word``: where to publish how
+        many; ``cpu``: where to place env threads (None: never placed); ``pin``:
+        step serially on ``cpu`` alone."""
+        block_size, first_env = len(block.envs), block.first_row
         self.governor = ConcurrencyGovernor(block_size, cap)
         # The CPU for this worker's env threads (None: never placed).
         self._cpu = cpu if cpu is not None and _can_find_children() else None
@@ -324,23 +313,24 @@ class ConcurrentEnvs:
         # The calling thread (the one that steps serially) runs on _cpu alone,
         # unless its envs started processes already (see _check_children).
         self._pinned = pin and self._cpu is not None and not _child_pids()
-        if self._pinned:
+        if self._pinned and self._cpu is not None:
             try:
                 os.sched_setaffinity(0, {self._cpu})
             except OSError:  # the CPU was taken away meanwhile: run unpinned
                 self._pinned = False
         self.first_env = first_env
         self.pool = EnvThreadPool(self._everywhere)
-        self.running = RunningEnvs(first_env, current_env, env_started)
+        env_started = None if block.env_started is None else np.asarray(block.env_started)
+        self.running = RunningEnvs(first_env, np.asarray(block.current_env), env_started)
         self._threads_word = threads_word
         self._probe: WaitProbe | None = None
-        self._per_env_key: tuple | None = None
-        self._per_env: list = []
+        self._parts_of = None  # the block _block_parts are of
+        self._block_parts: list = []
         self._claimed = np.zeros(block_size, dtype=bool)  # async: env queued or running
         # Reading the worker's pipe (a reset's seed), apart from row_lock: a
         # thread waiting for its seed must not hold up the others' messages.
         self._recv_lock = threading.Lock()
-        # From a row's claim to its message's send (see _worker_loop.step_pending).
+        # From a row's claim to its message's send (see _worker_loop.Block).
         self._row_lock = threading.Lock()
         self._publish_threads()
 
@@ -397,7 +387,7 @@ class ConcurrentEnvs:
     # ----------------------------------------------------------- sync mode
 
     def serial_rounds(self) -> int:
-        """How many step rounds ``_worker_loop.SerialRounds`` may run before this
+        """How many step rounds ``_worker_loop.Block.serve_rounds`` may run before this
         hook must decide again (0: now); the worker says how many ran with
         ``ran_serial``. A pinned worker comes back at least every
         ``REPROBE_ROUNDS`` rounds to look for child processes."""
@@ -409,81 +399,67 @@ class ConcurrentEnvs:
     def ran_serial(self, rounds: int) -> None:
         self.governor.ran(rounds)
 
-    def step_function(self) -> Callable:
-        """What steps the block this round: ``_worker_loop.step_envs`` or a
-        stand-in with its signature."""
+    def step(self, block, action_views: list, obs_views, slot: int) -> tuple:
+        """Steps the block this round as ``block.step_block`` does (a
+        ``_worker_loop.Block``): serially, probing, or in threads."""
         if self.governor.threads > 1:
-            return self._step_threaded
+            return self._step_threaded(block, action_views, obs_views, slot)
         if self.governor.probe_due():
-            return self._step_probing
-        return _worker_loop.step_envs
+            return self._step_probing(block, action_views, obs_views, slot)
+        return block.step_block(action_views, obs_views, slot)
 
-    def _step_probing(self, stepper, envs, first_row, *args) -> tuple:
-        infos, errors, announced = [], [], []
-        for i in range(len(envs)):
+    def _step_probing(self, block, action_views: list, obs_views, slot: int) -> tuple:
+        infos: list = []
+        errors: list = []
+        announced: list = []
+        size = len(block.envs)
+        for i in range(size):
+            env = block.part(i, block.current_env)
             before = self._sample()
-            part = self._step_one(stepper, envs, first_row, args, i, args[-2])
+            part = env.step_block(action_views, obs_views, slot)
             after = self._sample()
             _extend(infos, errors, announced, part)
             if self.governor.add(before, after):
                 self._decided()
-                if self.governor.threads > 1 and i + 1 < len(envs):
-                    rest = self._step_threaded(stepper, envs, first_row, *args, start=i + 1)
+                if self.governor.threads > 1 and i + 1 < size:
+                    rest = self._step_threaded(block, action_views, obs_views, slot, start=i + 1)
                     _extend(infos, errors, announced, rest)
                     return infos, errors, announced
         self.governor.finish()
         self._decided()
         return infos, errors, announced
 
-    @staticmethod
-    def _step_one(stepper, envs, first_row, args, i, current_env) -> tuple:
-        action_views, obs_views, slot, autoreset, info_columns, _current, on_error = args
-        return _worker_loop.step_envs(
-            stepper,
-            envs[i : i + 1],
-            first_row + i,
-            action_views,
-            obs_views,
-            slot,
-            autoreset[i : i + 1],
-            info_columns,
-            current_env,
-            _shifted(on_error, i),
-        )
-
-    def _step_threaded(self, stepper, envs, first_row, *args, start: int = 0) -> tuple:
-        action_views, obs_views, slot, autoreset, info_columns, current_env, on_error = args
+    def _step_threaded(self, block, action_views: list, obs_views, slot: int, start: int = 0):
         self._check_children()
-        per_env = self._per_env_args(envs, autoreset, on_error)
-        step_envs = _worker_loop.step_envs
+        parts = self._parts(block)
 
         def step(i: int) -> tuple:
-            env, env_autoreset, env_current, env_on_error = per_env[i]
-            return step_envs(stepper, env, first_row + i, action_views, obs_views, slot,
-                             env_autoreset, info_columns, env_current, env_on_error)  # fmt: skip
+            return parts[i].step_block(action_views, obs_views, slot)
 
-        try:  # current_env is the worker's word (self.running's): rows are env ids
-            parts = self.map_envs(step, list(range(start, len(envs))))
+        try:  # block.current_env is the worker's word (self.running's)
+            done = self.map_envs(step, list(range(start, len(parts))))
         finally:
-            current_env[0] = 0
-        infos, errors, announced = [], [], []
-        for part in parts:
+            self.running.current_env[0] = 0
+        infos: list = []
+        errors: list = []
+        announced: list = []
+        for part in done:
             _extend(infos, errors, announced, part)
         return infos, errors, announced
 
-    def _per_env_args(self, envs: list, autoreset, on_error) -> list:
-        """Per env of the block: (``[env]``, its autoreset flag, a scratch
-        current_env word, ``on_error`` for it), made once (the worker passes the
-        same objects every round)."""
-        key = (envs, autoreset, on_error)
-        if self._per_env_key is None or any(a is not b for a, b in zip(key, self._per_env_key)):
-            self._per_env_key = key
-            self._per_env = [
-                (envs[i : i + 1], autoreset[i : i + 1], np.zeros(1, dtype=np.uint32),
-                 _shifted(on_error, i))
-                for i in range(len(envs))
-            ]  # fmt: skip
-        return self._per_env
+    def _parts(self, block) -> list:
+        """Per env of ``block``: ``block.part(i)`` with its own scratch words,
+        reading its reset's seed under ``_recv_lock`` and sending under
+        ``_row_lock``; made once (the worker has one block)."""
+        if self._parts_of is not block:
+            self._parts_of = block
+            take_reset_args = _locked(block.take_reset_args, self._recv_lock)
+            self._block_parts = []
+            for i in range(len(block.envs)):
+                part = block.part(i, np.zeros(1, np.uint32), np.zeros(1, np.uint64))
+                part.take_reset_args, part.row_lock = take_reset_args, self._row_lock
+                self._block_parts.append(part)
+        return self._block_parts
 
     def map_envs(self, function: Callable[[int], Any], indices: list[int]) -> list:
         """``[function(i) for i in indices]`` (i: an env of the block), in
@@ -512,70 +488,41 @@ class ConcurrentEnvs:
 
     # ---------------------------------------------------------- async mode
 
-    def pending_function(self) -> Callable:
-        """What runs the envs that have a command: ``_worker_loop.step_pending``
-        or a stand-in with its signature."""
+    def run_pending(self, block) -> None:
+        """Runs the envs that have a command as ``block.step_pending`` does:
+        serially, probing, or in threads."""
         if self.governor.threads > 1:
-            return self._pending_threaded
-        if self.governor.probe_due():
-            return self._pending_probing
-        return _worker_loop.step_pending
+            self._pending_threaded(block)
+        elif self.governor.probe_due():
+            self._pending_probing(block)
+        else:
+            block.step_pending()
 
-    def _pending_probing(self, stepper, ring, envs, first_env, commands, *args) -> None:
-        for i in range(len(envs)):
+    def _pending_probing(self, block) -> None:
+        commands = np.asarray(block.commands)
+        for i in range(len(block.envs)):
             command = commands[i]
             if not command:
                 continue
+            env = block.part(i, block.current_env, block.env_started)
             before = self._sample()
-            # args[6], args[10]: the worker's current_env and env_started words
-            self._run_pending(stepper, ring, envs, first_env, commands, args, i, args[6], args[10])
+            env.step_pending()
             after = self._sample()
             # A reset tells nothing of the steps (the first commands are resets).
             if command == ENV_STEP and self.governor.add(before, after):
                 self._decided()
                 if self.governor.threads > 1:
-                    self._pending_threaded(stepper, ring, envs, first_env, commands, *args)
+                    self._pending_threaded(block)
                     return
         self.governor.finish()
         self._decided()
 
-    @staticmethod
-    def _run_pending(stepper, ring, envs, first_env, commands, args, i, current_env,
-                     env_started) -> None:  # fmt: skip
-        (take_reset_args, action_views, slots, info_columns, autoreset, send_message,
-         _current, on_error, restarted, restart, _started, *row_lock) = args  # fmt: skip
-        _worker_loop.step_pending(
-            stepper,
-            ring,
-            envs[i : i + 1],
-            first_env + i,
-            commands[i : i + 1],
-            take_reset_args,
-            action_views,
-            slots,
-            info_columns,
-            autoreset[i : i + 1],
-            send_message,
-            current_env,
-            _shifted(on_error, i),
-            None if restarted is None else restarted[i : i + 1],
-            _shifted(restart, i),
-            env_started,
-            *row_lock,
-        )
-
-    def _pending_threaded(self, stepper, ring, envs, first_env, commands, *args) -> None:
+    def _pending_threaded(self, block) -> None:
         """Queues every env with a command that no thread has yet; a thread
         that finishes an env runs it again if a new command came meanwhile."""
-        take_reset_args, send_message = args[0], args[5]
         self._check_children()
-        locked_args = (
-            _locked(take_reset_args, self._recv_lock),
-            *args[1:5],
-            send_message,  # under row_lock
-            *args[6:],
-            self._row_lock,
-        )
+        parts = self._parts(block)
+        commands = np.asarray(block.commands)
         running, claimed = self.running, self._claimed
         # A snapshot: main writes commands while we read (numpy's nonzero counts,
         # then fills, and fails if the count moved). A command set after it
@@ -587,13 +534,10 @@ class ConcurrentEnvs:
                 claimed[i] = True
 
             def task(i=i) -> None:
-                scratch_env = np.zeros(1, dtype=np.uint32)
-                scratch_started = np.zeros(1, dtype=np.uint64)
                 while True:
                     running.begin(i)  # before step_pending clears the command
                     try:
-                        self._run_pending(stepper, ring, envs, first_env, commands,
-                                          locked_args, i, scratch_env, scratch_started)  # fmt: skip
+                        parts[i].step_pending()
                     finally:
                         with running.lock:
                             running.end(i)
@@ -619,7 +563,7 @@ def _can_find_children() -> bool:
 
 def _child_pids() -> list[int]:
     """The child processes of every thread of this process."""
-    pids = []
+    pids: list[int] = []
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/children", "rb") as children:
@@ -638,6 +582,8 @@ def _locked(function: Callable, lock: threading.Lock) -> Callable:
 
 
 def _extend(infos: list, errors: list, announced: list, part: tuple) -> None:
-    infos.extend(part[0])
-    errors.extend(part[1])
-    announced.extend(part[2])
+    """Appends a part's ``(infos, errors, announced)`` (``Block.step_block``'s)."""
+    part_infos, part_errors, part_announced = part
+    infos.extend(part_infos)
+    errors.extend(part_errors)
+    announced.extend(part_announced)

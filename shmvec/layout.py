@@ -28,6 +28,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector.utils import concatenate, create_empty_array, iterate
 
+from shmvec import _core
 from shmvec.infos import INFO_COLUMNS
 from shmvec.protocol import (
     LINE_BUSY_NS,
@@ -113,7 +114,7 @@ class ArrayCodec(Codec):
     def __init__(self, space: spaces.Space, path: str) -> None:
         self.space = space
         self.path = path
-        self.spec = ColumnSpec(np.dtype(space.dtype), tuple(space.shape))
+        self.spec = ColumnSpec(np.dtype(space.dtype), tuple(space.shape or ()))
 
     def columns(self) -> list[ColumnSpec]:
         return [self.spec]
@@ -230,7 +231,9 @@ class TextCodec(Codec):
 
 
 class DictCodec(Codec):
-    def __init__(self, space: spaces.Dict, path: str, children: dict[str, Codec]) -> None:
+    def __init__(
+        self, space: spaces.Dict | spaces.Tuple, path: str, children: dict[Any, Codec]
+    ) -> None:
         self.space = space
         self.path = path
         self.children = children
@@ -399,7 +402,7 @@ class SegmentLayout:
         offset += word_bytes.ring
         # One uint32 per ring slot (async mode): 1 + the lease region its rows'
         # observations go to, 0 for its own columns (set by main before it
-        # releases the slot; shmvec/engine/async_engine.py).
+        # releases the slot; shmvec/engine/async_wire.py).
         self.slot_regions_offset = offset = _align(offset)
         offset += 4 * num_slots
         self.doorbell_offsets = []
@@ -411,16 +414,7 @@ class SegmentLayout:
         self.action_columns = action_columns
         self.action_offsets, offset = self._place(offset, action_columns, num_envs)
         self.obs_columns = obs_columns
-        slot_columns = [
-            *obs_columns,
-            ColumnSpec(np.dtype(np.float64), ()),
-            ColumnSpec(np.dtype(np.uint8), ()),
-            ColumnSpec(np.dtype(np.uint8), ()),
-            ColumnSpec(np.dtype(np.uint8), (INFO_COLUMNS,)),
-            ColumnSpec(np.dtype(np.uint64), (INFO_COLUMNS,)),
-            ColumnSpec(np.dtype(np.int32), ()),
-            ColumnSpec(np.dtype(np.uint8), ()),
-        ]
+        slot_columns = [*obs_columns, *RESULT_COLUMNS.values()]
         self.slot_columns = slot_columns
         self.slot_offsets = []
         for _ in range(num_slots):
@@ -522,7 +516,8 @@ class SegmentLayout:
     def slot_views(self, buffer, slot: int) -> SlotViews:
         """The arrays of one ring slot."""
         views = self._views(buffer, self.slot_offsets[slot], self.slot_columns, self.rows)
-        return SlotViews(views[:-7], *views[-7:])
+        obs = len(self.obs_columns)
+        return SlotViews(obs=views[:obs], **dict(zip(RESULT_COLUMNS, views[obs:])))
 
 
 def lease_regions(obs_columns: list[ColumnSpec], rows: int, ring_slots: int = 0) -> int:
@@ -545,13 +540,45 @@ class WordBytes(NamedTuple):
 
 
 class SlotViews(NamedTuple):
-    """One ring slot: a batch of results, one row each."""
+    """One ring slot: a batch of results, one row each (``RESULT_COLUMNS``)."""
 
     obs: list[np.ndarray]  # the observation codec's columns
-    rewards: np.ndarray  # float64 (rows,)
-    terminations: np.ndarray  # uint8 (rows,)
-    truncations: np.ndarray  # uint8 (rows,)
-    info_codes: np.ndarray  # uint8 (rows, INFO_COLUMNS)
-    info_cells: np.ndarray  # uint64 (rows, INFO_COLUMNS)
-    env_ids: np.ndarray  # int32 (rows,): which env wrote the row (async mode)
-    messages: np.ndarray  # uint8 (rows,): 1 if a pickled message follows (async mode)
+    rewards: np.ndarray
+    terminations: np.ndarray
+    truncations: np.ndarray
+    info_codes: np.ndarray
+    info_cells: np.ndarray
+    env_ids: np.ndarray
+    messages: np.ndarray
+
+
+# A ring slot's columns after the observation's, by SlotViews field (its
+# constructor rejects a name it lacks), per row.
+RESULT_COLUMNS = {
+    "rewards": ColumnSpec(np.dtype(np.float64), ()),
+    "terminations": ColumnSpec(np.dtype(np.uint8), ()),
+    "truncations": ColumnSpec(np.dtype(np.uint8), ()),
+    "info_codes": ColumnSpec(np.dtype(np.uint8), (INFO_COLUMNS,)),  # shmvec/infos.py
+    "info_cells": ColumnSpec(np.dtype(np.uint64), (INFO_COLUMNS,)),
+    "env_ids": ColumnSpec(np.dtype(np.int32), ()),  # which env wrote the row (async mode)
+    "messages": ColumnSpec(np.dtype(np.uint8), ()),  # 1: a pickled message follows (async)
+}
+
+
+def make_layout(spec: Any) -> SegmentLayout:
+    """The segment's layout for ``spec`` (a ``shmvec.worker.WorkerSpec``),
+    derived the same way in main and workers."""
+    return SegmentLayout(
+        spec.num_envs,
+        spec.num_workers,
+        make_codec(spec.action_space).columns(),
+        make_codec(spec.observation_space, spec.shared_memory).columns(),
+        spec.num_slots,
+        spec.batch_size,
+        WordBytes(
+            _core.StepBarrier.nbytes,
+            _core.ResultRing.nbytes(spec.num_slots),
+            _core.Doorbell.nbytes,
+        ),
+        obs_regions=spec.obs_regions,
+    )

@@ -1,12 +1,14 @@
 """The worker process: owns a contiguous block of envs and serves commands.
 
-Data flow of one round: the main process posts a command on the step barrier
-(payloads that are not arrays, such as reset seeds or ``call`` arguments, are
-sent on the worker's pipe first); the worker does it for each of its envs,
-writes results into the ring slot the command names, sets its message flag if
-it has anything that is not a column (infos, errors, pickled values), arrives
-at the barrier, and only *then* sends that message, so that a large message
-can never block a worker that the main process is still waiting for.
+Data flow: the worker waits for work on its mode's wire (``SyncWire``: the step
+barrier's next command; ``AsyncWire``: its doorbell, then any barrier command
+and every env that has a command), does it for its envs through one
+``_worker_loop.Block`` and reports. A sync round ends in ``Block.finish_round``:
+write this worker's line, arrive, and only *then* send the message (infos,
+errors, pickled values), so that a large message can never block a worker the
+main process is still waiting for. An async env's result is a ring row it
+claims and publishes. Payloads that are not arrays (reset seeds, ``call``
+arguments) come on the worker's pipe before their command.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +30,12 @@ import numpy as np
 from shmvec import _core, _worker_loop
 from shmvec.concurrent_envs import ConcurrentEnvs
 from shmvec.errors import add_note
-from shmvec.layout import SegmentLayout, WordBytes, make_codec
+from shmvec.layout import make_codec, make_layout
 from shmvec.protocol import (
     AUTORESET_SAME_STEP,
     BY_VALUE_BIT,
     CALL,
     CLOSE,
-    ENV_RESET,
     REGION_MASK,
     REGION_SHIFT,
     RESET,
@@ -44,6 +44,7 @@ from shmvec.protocol import (
     STEP,
     WATCHDOG_NS,
 )
+from shmvec.wires import AsyncWire, EnvRecovery, RoundRecovery, SyncWire, recovery_plan
 
 
 @dataclass
@@ -69,10 +70,10 @@ class WorkerSpec:
     use_death_signal: bool
     on_env_error: str = "raise"  # or "reset": see Worker.truncated_reset
     # A replacement for a dead worker starts at the round it died in, and
-    # first does Worker.recover(*recover) for that round.
+    # first does Worker.recover(recovery_plan(recover)).
     generation: int = 0
     # Sync mode: (command kind, the round's arg: ring slot and observation
-    # region). Async mode: ("async", plan), see Worker.recover_async.
+    # region), see RoundRecovery. Async mode: ("async", plan), see EnvRecovery.
     recover: tuple | None = None
     info_schema: dict | None = None  # the dead worker's info columns, kept
     # Envs stepped at once at most (shmvec.concurrent_envs); None: up to the block.
@@ -149,14 +150,13 @@ def _watch_main(pid: int) -> None:
     threading.Thread(target=wait_then_exit, name="shmvec-watchdog", daemon=True).start()
 
 
-def _main_alive(pid: int) -> bool:
+def _exit_if_main_gone(pid: int) -> None:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return False
+        os._exit(0)
     except PermissionError:
-        return True
-    return True
+        pass  # a process we may not signal: alive
 
 
 def check_env(env, row: int) -> None:
@@ -210,32 +210,30 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
     try:
         segment = _core.Segment.attach(segment_fd.fd)
         os.close(segment_fd.fd)
-        worker = Worker(spec, segment, pipe, _make_envs(spec))
+        worker = Worker(spec, segment, pipe, make_envs(spec))
     except BaseException as exc:  # noqa: BLE001 - reported to the main process
         pipe.send_bytes(
             pickle.dumps({"startup_error": (_safe_exception(exc), traceback.format_exc())})
         )
         return
-    ready = {"ready": os.getpid()}
-    if spec.recover is not None and spec.recover[0] == "async":
-        worker.recover_async(spec.recover[1])
-    elif spec.recover is not None:
-        ready["recovered"] = worker.recover(*spec.recover)
+    ready: dict[str, Any] = {"ready": os.getpid()}
+    plan = recovery_plan(spec.recover)
+    if plan is not None:
+        recovered = worker.recover(plan)
+        if recovered is not None:
+            ready["recovered"] = recovered
     _send(pipe, ready)
     try:
-        if spec.batch_size < spec.num_envs:
-            worker.serve_async()
-        else:
-            worker.serve()
+        worker.serve()
     finally:
         pipe.close()
 
 
-def _make_envs(spec: WorkerSpec) -> list:
+def make_envs(spec: WorkerSpec) -> list:
     env_fns = spec.env_fns
     if isinstance(env_fns, bytes):
         env_fns = cloudpickle.loads(env_fns)
-    envs = []
+    envs: list = []
     for offset, env_fn in enumerate(env_fns):
         row = spec.first_env + offset
         try:
@@ -259,195 +257,112 @@ def _worker_cpu(index: int) -> int:
 
 
 class Worker:
-    """Serves commands for one block of envs until CLOSE or the main's death."""
+    """Serves commands for one block of envs until CLOSE or the main's death.
+
+    The commands themselves (step, reset, call, set_attr, close) are the same
+    in both modes; what differs, how work arrives and how a replacement
+    recovers, is the wire's (``SyncWire``, ``AsyncWire``).
+    """
 
     def __init__(self, spec: WorkerSpec, segment, pipe, envs: list) -> None:
         self.spec = spec
-        self.segment = segment
         self.pipe = pipe
         self.envs = envs
-        self.layout = make_layout(spec)
-        self.barrier = _worker_loop.WorkerBarrier(
-            segment.address + self.layout.barrier_offset, spec.num_workers
-        )
+        layout = make_layout(spec)
         buffer = memoryview(segment)
-        self.flag = self.layout.worker_words(buffer)[spec.index : spec.index + 1]
-        self.busy_ns = self.layout.worker_busy_ns(buffer)[spec.index : spec.index + 1]
         line = slice(spec.index, spec.index + 1)
-        self.current_env = self.layout.worker_current_env(buffer)[line]
-        self.finished = self.layout.worker_finished_generation(buffer)[line]
         self.obs_codec = make_codec(spec.observation_space, spec.shared_memory)
-        self.action_codec = make_codec(spec.action_space)
-        self.stepper = _worker_loop.Stepper(self.action_codec, self.obs_codec, spec.autoreset_mode)
-        self.action_views = self.layout.action_views(buffer)
-        self.slots = [self.layout.slot_views(buffer, k) for k in range(self.layout.num_slots)]
-        self.regions = [
-            self.layout.region_views(buffer, r) for r in range(len(self.layout.region_offsets))
-        ]
-        async_regions = self.regions if spec.batch_size < spec.num_envs else None
-        table = self.layout.slot_regions(buffer)
-        self.slot_columns = [
-            _worker_loop.SlotColumns(views, k, table, async_regions)
-            for k, views in enumerate(self.slots)
+        stepper = _worker_loop.Stepper(
+            make_codec(spec.action_space), self.obs_codec, spec.autoreset_mode
+        )
+        barrier = _worker_loop.WorkerBarrier(
+            segment.address + layout.barrier_offset, spec.num_workers
+        )
+        self.block = block = _worker_loop.Block(stepper, envs, spec.first_env, barrier)
+        self.rows = range(spec.first_env, spec.first_env + len(envs))
+        block.generation = spec.generation
+        block.flag = layout.worker_words(buffer)[line]
+        block.current_env = self.current_env = layout.worker_current_env(buffer)[line]
+        block.finished = layout.worker_finished_generation(buffer)[line]
+        block.busy_ns = self.busy_ns = layout.worker_busy_ns(buffer)[line]
+        block.action_views = self.action_views = layout.action_views(buffer)
+        self.slot_views = [layout.slot_views(buffer, k) for k in range(layout.num_slots)]
+        self.regions = [layout.region_views(buffer, r) for r in range(len(layout.region_offsets))]
+        block.regions = self.regions
+        async_mode = spec.batch_size < spec.num_envs
+        table = layout.slot_regions(buffer)
+        block.slots = [
+            _worker_loop.SlotColumns(views, k, table, self.regions if async_mode else None)
+            for k, views in enumerate(self.slot_views)
         ]
         # info key -> column, shared by all slots (a replacement keeps its predecessor's)
         self.info_schema: dict = dict(spec.info_schema or {})
-        self.info_columns = [
+        block.info_columns = [
             _worker_loop.InfoColumns(self.info_schema, s.info_codes, s.info_cells)
-            for s in self.slots
+            for s in self.slot_views
         ]
-        self.autoreset = np.zeros(len(envs), dtype=np.uint8)
-        self.rows = range(spec.first_env, spec.first_env + len(envs))
+        block.autoreset = self.autoreset = np.zeros(len(envs), dtype=np.uint8)
+        block.on_error = self.truncated_reset if spec.on_env_error == "reset" else None
+        block.send = self.send
+        block.build_message = self.message
         self.inbox: dict[str, list] = {}  # main's messages read ahead of their turn
-        self.generation = spec.generation
-        self.on_error = self.truncated_reset if spec.on_env_error == "reset" else None
-        if spec.batch_size < spec.num_envs:
-            self.doorbell = _worker_loop.WorkerDoorbell(
-                segment.address + self.layout.doorbell_offsets[spec.index]
-            )
-            self.ring = _worker_loop.WorkerRing(
-                segment.address + self.layout.ring_offset, self.layout.num_slots, spec.batch_size
-            )
-            self.commands = self.layout.env_commands(buffer)[self.rows.start : self.rows.stop]
-            self.reset_args: dict = {}
-            self.restarted = np.zeros(len(envs), dtype=np.uint8)  # see recover_async
-            self.env_started = self.layout.worker_env_started_ns(buffer)[
-                spec.index : spec.index + 1
-            ]
+        self.wire: SyncWire | AsyncWire
+        if async_mode:
+            block.env_started = layout.worker_env_started_ns(buffer)[line]
+            self.wire = AsyncWire(self, segment.address, layout, buffer)
+        else:
+            self.wire = SyncWire(self)
         # Envs that wait are stepped several at once (shmvec/concurrent_envs.py);
-        # hooked in at step(), poll_async() and the spin of the command waits.
+        # hooked in at step(), the async wire's work() and the spin of the waits.
         self.concurrency = ConcurrentEnvs(
-            len(envs),
-            spec.first_env,
+            block,
             spec.env_concurrency,
-            self.current_env,
-            self.env_started if spec.batch_size < spec.num_envs else None,
-            self.layout.worker_env_threads(buffer)[line],
+            layout.worker_env_threads(buffer)[line],
             # Placing threads is for worker processes: the main's are the user's.
             _worker_cpu(spec.index) if os.getpid() != spec.main_pid else None,
             pin=spec.pin_cpu,
         )
-        # Plain sync step rounds run in Cython (pickled observations need _message's dict)
-        self.serial_rounds = None
-        if spec.batch_size == spec.num_envs and not self.obs_codec.pickled:
-            self.serial_rounds = _worker_loop.SerialRounds(
-                self.barrier, self.stepper, self.envs, spec.first_env, self.action_views,
-                self.slot_columns, self.regions, self.info_columns, self.autoreset, self.flag,
-                self.current_env, self.finished, self.busy_ns, self.on_error, self._message,
-                lambda message: _send(self.pipe, message),
-            )  # fmt: skip
 
     def serve(self) -> None:
-        """Sync mode: one barrier round per command; plain step rounds in
-        ``serial_rounds`` for as long as the envs step serially (hook:
-        concurrent_envs says for how many rounds)."""
+        """Waits for work and does it, until CLOSE (or the main's death)."""
+        wire, concurrency = self.wire, self.concurrency
         while True:
-            spin_ns = self.concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
-            serial = self.concurrency.serial_rounds() if self.serial_rounds is not None else 0
-            if serial:
-                self.generation, ran, command = self.serial_rounds.serve(
-                    self.generation, spin_ns, WATCHDOG_NS, serial
-                )
-                self.concurrency.ran_serial(ran)
-                if command is None and ran == serial:
-                    continue  # a probe round is due: the Python loop runs it
-            else:
-                command = self.barrier.wait_command(self.generation, spin_ns, WATCHDOG_NS)
-            if command is None:
-                self._check_main()
-                continue
-            if not self._run_command(command):
+            spin_ns = concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
+            if not wire.wait_for_work(spin_ns, WATCHDOG_NS):
+                _exit_if_main_gone(self.spec.main_pid)
+            elif not wire.work():
                 return
 
-    def serve_async(self) -> None:
-        """Async mode: run envs as their commands arrive; barrier commands too."""
-        rings = 0
-        while True:
-            spin_ns = self.concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
-            seen = self.doorbell.wait(rings, spin_ns, WATCHDOG_NS)
-            if seen is None:
-                self._check_main()
-                continue
-            rings = seen
-            if not self.poll_async():
-                return
+    def recover(self, plan: RoundRecovery | EnvRecovery) -> dict | None:
+        """A replacement's first job, before it says it is ready: its envs are
+        new. Returns the message for its predecessor's round (sync mode)."""
+        return self.wire.recover(plan)
 
-    def poll_sync(self) -> bool:
-        """Runs the barrier command just posted; False once the worker must exit."""
-        return self._run_command(self.barrier.wait_command(self.generation, 0, 0))
+    def send(self, message: dict) -> None:
+        _send(self.pipe, message)
 
-    def poll_async(self) -> bool:
-        """Runs a barrier command if one was posted, then every env that has a
-        command; False once the worker must exit."""
-        if self.barrier.generation_now() != self.generation:
-            self.concurrency.drain()  # hook: no env thread runs during call/set_attr/close
-            if not self.poll_sync():
-                return False
-        started = time.perf_counter_ns()
-        # hook: _worker_loop.step_pending, or concurrent_envs' threaded stand-in
-        self.concurrency.pending_function()(
-            self.stepper,
-            self.ring,
-            self.envs,
-            self.rows.start,
-            self.commands,
-            self._take_reset_args,
-            self.action_views,
-            self.slot_columns,
-            self.info_columns,
-            self.autoreset,
-            lambda message: _send(self.pipe, message),
-            self.current_env,
-            self.on_error,
-            self.restarted,
-            self.restart_result,
-            self.env_started,
-        )
-        self.busy_ns[0] += time.perf_counter_ns() - started
-        return True
-
-    def _take_reset_args(self, env_id: int) -> tuple:
-        """(seed, options) of env_id's reset; the main sent them before the command."""
-        while env_id not in self.reset_args:
-            self.reset_args.update(self._recv("reset"))
-        return self.reset_args.pop(env_id)
-
-    def _check_main(self) -> None:
-        if not _main_alive(self.spec.main_pid):
-            os._exit(0)
-
-    def _run_command(self, command: tuple) -> bool:
+    def run_command(self, command: tuple) -> bool:
         """Runs one barrier command; False once the worker must exit."""
         started = time.perf_counter_ns()
-        self.generation, kind, arg = command
+        self.block.generation, kind, arg = command
         if kind == STEP:
             message = self.step(arg)
         elif kind == RESET:
-            message = self.reset(arg, self._recv("reset"))
+            message = self.reset(arg, self.recv("reset"))
         elif kind == CALL:
-            message = self.call(*self._recv("call"))
+            message = self.call(*self.recv("call"))
         elif kind == SET_ATTR:
-            message = self.set_attr(*self._recv("set_attr"))
+            message = self.set_attr(*self.recv("set_attr"))
         elif kind == CLOSE:
             self.close()
-            self.barrier.arrive()
+            self.block.barrier.arrive()
             return False
         else:
             message = {"errors": [(-1, RuntimeError(f"unknown command {kind}"), "")]}
-        if message:
-            self.flag[0] = 1
-        self.current_env[0] = 0
-        # Every write to this worker's line before arrive(): the main process
-        # reads it right after, and a later write would pull the line back.
-        # (_worker_loop.SerialRounds.serve ends a plain step round the same way.)
-        self.busy_ns[0] += time.perf_counter_ns() - started
-        self.finished[0] = self.generation
-        self.barrier.arrive(bool(message))
-        if message:
-            _send(self.pipe, message)
+        self.block.finish_round(message, started)
         return True
 
-    def _recv(self, tag: str):
+    def recv(self, tag: str):
         """The next payload the main process sent with ``tag``."""
         if self.inbox.get(tag):
             return self.inbox[tag].pop(0)
@@ -457,37 +372,27 @@ class Worker:
                 return payload
             self.inbox.setdefault(got, []).append(payload)
 
-    def _obs_target(self, arg: int):
+    def obs_target(self, arg: int):
         """Where observations of the sync round of ``arg`` (slot and region, see
         protocol.REGION_SHIFT) go: columns, or a dict to pickle."""
         if self.obs_codec.pickled:
             return {}
         region = (arg >> REGION_SHIFT) & REGION_MASK
-        return self.regions[region - 1] if region else self.slots[arg & SLOT_MASK].obs
+        return self.regions[region - 1] if region else self.slot_views[arg & SLOT_MASK].obs
 
     def step(self, arg: int) -> dict:
-        slot = arg & SLOT_MASK
         by_value = bool(arg & BY_VALUE_BIT)  # per-env actions come pickled this round
-        self.stepper.actions_by_value = by_value
-        action_views = self.action_views
+        self.block.stepper.actions_by_value = by_value
+        action_views: list[Any] = self.action_views
         if by_value:
             action_views = [None] * self.spec.num_envs
-            action_views[self.rows.start : self.rows.stop] = self._recv("actions")
-        obs_target = self._obs_target(arg)
-        # hook: _worker_loop.step_envs, or concurrent_envs' threaded stand-in
-        infos, errors, announced = self.concurrency.step_function()(
-            self.stepper,
-            self.envs,
-            self.spec.first_env,
-            action_views,
-            obs_target,
-            self.slot_columns[slot],
-            self.autoreset,
-            self.info_columns[slot],
-            self.current_env,
-            self.on_error,
+            action_views[self.rows.start : self.rows.stop] = self.recv("actions")
+        obs_target = self.obs_target(arg)
+        # hook: Block.step_block, or concurrent_envs' threaded stand-in
+        infos, errors, announced = self.concurrency.step(
+            self.block, action_views, obs_target, arg & SLOT_MASK
         )
-        return self._message(infos, errors, obs_target, announced)
+        return self.message(infos, errors, obs_target, announced)
 
     def truncated_reset(self, i: int, why: dict | BaseException) -> tuple:
         """Env ``i`` lost its state (it raised, or its worker died): reset it and
@@ -504,77 +409,8 @@ class Worker:
             merged = [{"final_obs": obs, "final_info": info}, info]
         return obs, 0.0, False, True, merged
 
-    def restart_result(self, i: int, command: int) -> tuple:
-        """The result env ``i`` reports for its first command after a restart (async
-        mode): a reset as asked, or a truncated episode, both with
-        ``info["worker_restarted"]``."""
-        why = {"worker_restarted": True}
-        if command == ENV_RESET:
-            seed, options = self._take_reset_args(self.rows.start + i)
-            return _worker_loop.reset_result(self.envs[i], seed, options, why)
-        return self.truncated_reset(i, why)
-
-    def recover_async(self, plan: dict) -> None:
-        """A replacement's first job in async mode. ``plan`` maps each env of the
-        block whose result died with the old worker to ``(how, slot, row,
-        command)``: ``"claim"`` a new row, fill the ``"hole"`` (slot, row) the old
-        worker claimed but never published, or ``"rewrite"`` a published row whose
-        message was lost. Every other env reports ``restart_result`` for its
-        next command (``restarted``)."""
-        for env_id, (how, slot, row, command) in plan.items():
-            i = env_id - self.rows.start
-            result = self.restart_result(i, command)
-            if how == "claim":
-                slot, row = self.ring.claim()
-            views = self.slots[slot]
-            obs_target = {} if self.obs_codec.pickled else self.slot_columns[slot].obs_columns()
-            self.stepper.write_row(obs_target, views, row, result)
-            views.info_codes[row] = 0
-            views.env_ids[row], views.messages[row] = env_id, 1
-            self.autoreset[i] = 1 if result[3] else 0
-            if how != "rewrite":
-                self.ring.publish(slot)
-            message = {"row": (slot, row), "infos": [(row, result[4])]}
-            if self.obs_codec.pickled:
-                message["obs"] = obs_target
-            _send(self.pipe, message)
-        for i, env_id in enumerate(self.rows):
-            self.restarted[i] = env_id not in plan
-
-    def recover(self, kind: int, arg: int) -> dict:
-        """A replacement worker's first job: its envs are new, so reset them. In a
-        STEP round each reports a truncated episode (``truncated_reset``), in a
-        RESET round the reset asked for (the main process sends it again); both
-        with ``info["worker_restarted"]``. ``arg``: the round's."""
-        obs_target = self._obs_target(arg)
-        views = self.slots[arg & SLOT_MASK]
-        views.info_codes[self.rows.start : self.rows.stop] = 0
-        why = {"worker_restarted": True}
-        infos, errors = [], []
-        if kind == RESET:  # the reset asked for, of every env (all are new)
-            seeds, options, mask = self._recv("reset")
-            if mask is not None:
-                seeds = [s if m else None for s, m in zip(seeds, mask)]
-                options = [o if m else None for o, m in zip(options, mask)]
-        for i, row in enumerate(self.rows):
-            try:
-                if kind == STEP:
-                    result = self.truncated_reset(i, why)
-                    self.autoreset[i] = 1
-                elif kind == RESET:
-                    result = _worker_loop.reset_result(self.envs[i], seeds[i], options[i], why)
-                else:
-                    self.envs[i].reset()
-                    continue
-                self.stepper.write_row(obs_target, views, row, result)
-                infos.append((row, result[4]))
-            except Exception as exc:  # noqa: BLE001 - re-raised in the main process
-                errors.append((row, exc, traceback.format_exc()))
-        if kind not in (STEP, RESET):
-            return self._message([], errors, {})
-        return self._message(infos, errors, obs_target)
-
-    def _message(self, infos, errors, obs_target, announced=()) -> dict:
+    def message(self, infos, errors, obs_target, announced=()) -> dict:
+        """A round's message: empty when it has nothing to send."""
         message = {}
         if announced:
             message["info_columns"] = announced
@@ -588,9 +424,9 @@ class Worker:
 
     def reset(self, arg: int, payload) -> dict:
         seeds, options, mask = payload  # per env of the block
-        obs_target = self._obs_target(arg)
+        obs_target = self.obs_target(arg)
         # Reset infos are pickled (resets are rare): clear this block's columns.
-        self.slots[arg & SLOT_MASK].info_codes[self.rows.start : self.rows.stop] = 0
+        self.slot_views[arg & SLOT_MASK].info_codes[self.rows.start : self.rows.stop] = 0
         infos, errors = [], []
 
         def reset_env(i: int) -> tuple:
@@ -609,7 +445,7 @@ class Worker:
                 errors.append((self.rows[i], *error))
             elif info:
                 infos.append((self.rows[i], info))
-        return self._message(infos, errors, obs_target)
+        return self.message(infos, errors, obs_target)
 
     def call(self, name: str, args: tuple, kwargs: dict) -> dict:
         results, errors = [], []
@@ -621,7 +457,7 @@ class Worker:
             except Exception as exc:  # noqa: BLE001
                 results.append(None)
                 errors.append((row, exc, traceback.format_exc()))
-        return {"results": results, **self._message([], errors, {})}
+        return {"results": results, **self.message([], errors, {})}
 
     def set_attr(self, name: str, values: list) -> dict:
         errors = []
@@ -631,7 +467,7 @@ class Worker:
                 env.set_wrapper_attr(name, value)
             except Exception as exc:  # noqa: BLE001
                 errors.append((row, exc, traceback.format_exc()))
-        return self._message([], errors, {}) or {"results": None}
+        return self.message([], errors, {}) or {"results": None}
 
     def close(self) -> None:
         for env in self.envs:
@@ -639,87 +475,3 @@ class Worker:
                 env.close()
             except Exception:  # noqa: BLE001 - closing is best effort
                 traceback.print_exc(file=sys.stderr)
-
-
-def make_layout(spec: WorkerSpec) -> SegmentLayout:
-    """The segment's layout, derived the same way in main and workers."""
-    obs_codec = make_codec(spec.observation_space, spec.shared_memory)
-    action_codec = make_codec(spec.action_space)
-    rows = spec.batch_size
-    return SegmentLayout(
-        spec.num_envs,
-        spec.num_workers,
-        action_codec.columns(),
-        obs_codec.columns(),
-        spec.num_slots,
-        rows,
-        WordBytes(
-            _core.StepBarrier.nbytes,
-            _core.ResultRing.nbytes(spec.num_slots),
-            _core.Doorbell.nbytes,
-        ),
-        obs_regions=spec.obs_regions,
-    )
-
-
-class LoopbackPipe:
-    """One end of an in-process pipe: what is sent lands in the other end's inbox."""
-
-    def __init__(self, inbox: deque, outbox: deque) -> None:
-        self.inbox, self.outbox = inbox, outbox
-
-    @classmethod
-    def pair(cls) -> tuple[LoopbackPipe, LoopbackPipe]:
-        a, b = deque(), deque()
-        return cls(a, b), cls(b, a)
-
-    def send_bytes(self, data: bytes) -> None:
-        self.outbox.append(bytes(data))
-
-    def recv_bytes(self) -> bytes:
-        return self.inbox.popleft()  # the peer always sends before it asks
-
-    def poll(self, timeout: float | None = 0.0) -> bool:
-        return bool(self.inbox)
-
-    def close(self) -> None:
-        pass
-
-
-class InProcessWorker:
-    """``num_workers=0`` or ``step_in_main``: worker 0 runs in the main process,
-    which steps its envs when it waits for a round (``poll``). It stands in for the
-    ``multiprocessing.Process`` (``pid``, ``exitcode``, ``join``...), so the
-    main process's code is the same, and a breakpoint inside ``env.step`` works.
-    """
-
-    def __init__(self, spec: WorkerSpec, segment, pipe: LoopbackPipe) -> None:
-        self.pid = os.getpid()
-        self.exitcode: int | None = None
-        self.worker = Worker(spec, segment, pipe, _make_envs(spec))
-        pipe.send_bytes(pickle.dumps({"ready": self.pid}))
-
-    def poll(self, async_mode: bool) -> None:
-        """Does whatever the main process has asked for and not had done yet."""
-        worker = self.worker
-        if self.exitcode is not None:
-            return
-        if async_mode:
-            alive = worker.poll_async()
-        elif worker.barrier.generation_now() != worker.generation:
-            alive = worker.poll_sync()
-        else:
-            return
-        if not alive:
-            self.exitcode = 0
-
-    def join(self, timeout: float | None = None) -> None:
-        pass
-
-    def terminate(self) -> None:
-        self.kill()
-
-    def kill(self) -> None:
-        if self.exitcode is None:
-            self.worker.close()
-            self.exitcode = 0

@@ -25,16 +25,11 @@ import cloudpickle
 from shmvec import _core
 from shmvec.engine.options import EngineOptions
 from shmvec.errors import WorkerDiedError, add_note
+from shmvec.in_process import InProcessWorker, LoopbackPipe
+from shmvec.layout import make_layout
 from shmvec.protocol import LIVENESS_CHECK_S
 from shmvec.start_method import worker_context
-from shmvec.worker import (
-    InProcessWorker,
-    LoopbackPipe,
-    SegmentFd,
-    WorkerSpec,
-    make_layout,
-    worker_main,
-)
+from shmvec.worker import SegmentFd, WorkerSpec, worker_main
 
 logger = logging.getLogger("shmvec")
 
