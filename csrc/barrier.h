@@ -8,8 +8,7 @@
 //            arrive(message)      release their writes (and count themselves
 //                                 in `messages` if a pickled message follows);
 //                                 the last of the N arrivals wakes the main
-//                                 process (or a worker spinning on main's
-//                                 CPU does, see arrive())
+//                                 process
 //   main:    wait_done(...)       returns once all N have arrived; every
 //                                 write a worker made before arrive() is
 //                                 visible
@@ -28,7 +27,6 @@
 #pragma once
 
 #include <sched.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cstdint>
@@ -51,13 +49,6 @@ struct alignas(64) BarrierWords {
   PaddedWord command_kind;     // written before `generation` is bumped
   PaddedWord command_arg;
   PaddedWord messages;  // workers whose pickled message follows this round
-  // Local wake-ups (see arrive()): 1 + the CPU main last waited on (0:
-  // unknown), the pid of a worker spinning for a command on that CPU (0:
-  // none), and the generation whose wake-up of main someone has taken on.
-  PaddedWord main_cpu;
-  PaddedWord main_neighbour;
-  PaddedWord main_wake_claim;
-  PaddedWord neighbour_wakes;  // wake-ups of main its neighbour did (a count)
 };
 
 enum class WaitStatus { kReady = 0, kTimedOut = 1, kError = 2 };
@@ -71,10 +62,8 @@ struct Command {
 class StepBarrier {
  public:
   // `words` points into the segment; `num_workers` arrivals end a round.
-  // A worker's object must be made in the worker's process (its pid names it
-  // as main's neighbour).
   StepBarrier(BarrierWords* words, uint32_t num_workers) noexcept
-      : w_(words), num_workers_(num_workers), pid_(static_cast<uint32_t>(getpid())) {}
+      : w_(words), num_workers_(num_workers) {}
 
   // [main] Starts a round. The previous round must have completed.
   void post(uint32_t kind, uint32_t arg) noexcept;
@@ -88,10 +77,6 @@ class StepBarrier {
   uint32_t messages() const noexcept {
     return w_->messages.value.load(std::memory_order_acquire);
   }
-  // [any] How many rounds' wake-ups of main a neighbour did (see arrive()).
-  uint32_t neighbour_wakes() const noexcept {
-    return w_->neighbour_wakes.value.load(std::memory_order_relaxed);
-  }
   // [any] The current generation, without waiting.
   uint32_t generation() const noexcept {
     return w_->generation.value.load(std::memory_order_acquire);
@@ -102,29 +87,12 @@ class StepBarrier {
                           Command* out) noexcept;
   // [worker] Ends this worker's part of the round; `message`: a pickled
   // message of this round follows on the worker's pipe. The last arrival
-  // wakes a sleeping main process, or leaves that to a worker spinning for
-  // its next command on the CPU main sleeps on (`main_neighbour`): on the
-  // 2-core VMs this was built on, main ran ~25 us after a wake-up from the
-  // other CPU and ~3 us after one from its own (perf sched, CartPole-v1 x32:
-  // a fifth of the rounds ended on the other CPU).
+  // wakes a sleeping main process.
   void arrive(bool message = false) noexcept;
 
-  // How long the last arrival waits for main's neighbour to wake main before
-  // it does so itself (the neighbour may have lost its CPU, or died).
-  static constexpr int64_t kNeighbourWakeNs = 5'000;
-  // [worker] That wait, for this object's arrivals (tests make it long).
-  void set_neighbour_wait_ns(int64_t ns) noexcept { neighbour_wait_ns_ = ns; }
-
  private:
-  friend class MainNeighbour;
-  // Wakes main for generation `round` unless someone already did; true if
-  // this call did.
-  bool wake_main(uint32_t round) noexcept;
-
   BarrierWords* w_;
   uint32_t num_workers_;
-  uint32_t pid_;
-  int64_t neighbour_wait_ns_ = kNeighbourWakeNs;
   // The spin of whoever waits on this object: main in wait_done, a worker in
   // wait_command (each process has its own StepBarrier over the words).
   AdaptiveSpin spin_;
@@ -136,18 +104,10 @@ class StepBarrier {
 // `sleepers`; this function increments `sleepers` *then* re-reads `word`, so
 // at least one side sees the other (no lost wake-up). `o` records what the
 // wait saw, for AdaptiveSpin::learn().
-//
-// `spinning.poll()` runs at each turn of the spin and `spinning.stop()` once
-// the spin gave up, before the first sleep (the default does nothing).
-struct NoSpinHook {
-  void poll() const noexcept {}
-  void stop() const noexcept {}
-};
-
-template <class Ready, class SpinHook = NoSpinHook>
+template <class Ready>
 WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
                            Ready ready, int64_t spin_ns, int64_t timeout_ns,
-                           WaitOutcome& o, SpinHook&& spinning = SpinHook{}) noexcept {
+                           WaitOutcome& o) noexcept {
   o = WaitOutcome{};
   if (ready(word.load(std::memory_order_acquire))) return WaitStatus::kReady;
   const int64_t start = monotonic_ns();
@@ -156,7 +116,6 @@ WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& s
     // that a spinner hands its core to a runnable peer (a no-op otherwise).
     for (uint32_t i = 1;; ++i) {
       cpu_relax();
-      spinning.poll();
       if (ready(word.load(std::memory_order_acquire))) {
         o.waited_ns = monotonic_ns() - start;
         return WaitStatus::kReady;
@@ -167,7 +126,6 @@ WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& s
       }
     }
   }
-  spinning.stop();
   o.slept = true;
   for (;;) {
     int64_t remaining = -1;
@@ -196,13 +154,13 @@ WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& s
 
 // Every waiter's wait: spin_then_sleep with the spin `adaptive` allows (or the
 // caller's fixed spin_ns >= 0, see spin_for), then `adaptive` learns from it.
-template <class Ready, class SpinHook = NoSpinHook>
+template <class Ready>
 WaitStatus adaptive_wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
                          Ready ready, AdaptiveSpin& adaptive, int64_t spin_ns,
-                         int64_t timeout_ns, SpinHook&& spinning = SpinHook{}) noexcept {
+                         int64_t timeout_ns) noexcept {
   WaitOutcome outcome;
   WaitStatus status = spin_then_sleep(word, sleepers, ready, spin_for(adaptive, spin_ns),
-                                      timeout_ns, outcome, static_cast<SpinHook&&>(spinning));
+                                      timeout_ns, outcome);
   adaptive.learn(outcome);
   return status;
 }

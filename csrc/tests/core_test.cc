@@ -13,8 +13,6 @@
 // Usage: shmvec_core_test [--quick] [--no-fork]. Exit status 0 when every check
 // passed; the first failed check prints its line and aborts.
 #include <fcntl.h>
-#include <pthread.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -312,105 +310,6 @@ void test_barrier_timeouts() {
   CHECK(cmd.generation == 1 && cmd.kind == kCmdWork && cmd.arg == 0);
 }
 
-// Local wake-ups (StepBarrier::arrive): a worker spinning for its next
-// command on the CPU main sleeps on wakes main when the round is done, and
-// the last arrival from another CPU leaves that to it; a registered neighbour
-// that does not do it (lost its CPU, or died) costs that arrival a short wait.
-// Main's side is played by this thread with `main_sleeping` set by hand, so
-// that no spurious wake-up of a real main can change what the arrivals see
-// (the other barrier scenarios run the real thing).
-void test_barrier_neighbour() {
-  Segment seg = Segment::create(4096);
-  auto* words = new (seg.data() + 64) BarrierWords;
-  StepBarrier barrier(words, 2);
-  const uint32_t nowhere = 0xFFFFFFF0;  // 1 + a CPU no thread runs on
-  words->main_sleeping.value.store(1);
-  words->main_cpu.value.store(nowhere);
-  // Both arrivals of a round; the last one's time.
-  auto round = [&] {
-    barrier.post(kCmdWork, 0);
-    barrier.arrive();
-    const int64_t t0 = monotonic_ns();
-    barrier.arrive();
-    CHECK(barrier.arrived() == 2);
-    CHECK(words->main_wake_claim.value.load() == barrier.generation());
-    return monotonic_ns() - t0;
-  };
-
-  round();  // no neighbour: the last arrival wakes main (the claim checked)
-  // A live neighbour that does not spin: the last arrival waits, then wakes main.
-  words->main_neighbour.value.store(uint32_t(getpid()));
-  CHECK(round() >= StepBarrier::kNeighbourWakeNs);
-  CHECK(words->main_neighbour.value.load() == uint32_t(getpid()));  // still registered
-  // A dead one: the same, and its registration goes.
-  pid_t child = fork();
-  CHECK(child >= 0);
-  if (child == 0) _exit(0);
-  CHECK(waitpid(child, nullptr, 0) == child);
-  words->main_neighbour.value.store(uint32_t(child));
-  CHECK(round() >= StepBarrier::kNeighbourWakeNs);
-  CHECK(words->main_neighbour.value.load() == 0);
-  // Main awake: nothing to wait for.
-  words->main_neighbour.value.store(uint32_t(getpid()));
-  words->main_sleeping.value.store(0);
-  barrier.post(kCmdWork, 0);
-  barrier.arrive();
-  barrier.arrive();
-  CHECK(words->main_wake_claim.value.load() != barrier.generation());
-  words->main_neighbour.value.store(0);
-  CHECK(barrier.neighbour_wakes() == 0);
-
-  // A neighbour spinning on main's CPU, pinned there; the arrivals pinned to
-  // another CPU (when there is one) wait for it as long as it takes.
-  cpu_set_t allowed;
-  CHECK(sched_getaffinity(0, sizeof(allowed), &allowed) == 0);
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE && cpus.size() < 2; ++c) {
-    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
-  }
-  if (cpus.size() < 2) return;
-  auto pin = [](int cpu) {
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    CHECK(pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0);
-  };
-  words->main_cpu.value.store(uint32_t(cpus[0] + 1));
-  constexpr uint32_t kRounds = 50;
-  std::atomic<uint32_t> spinning{0};
-  std::thread neighbour([&] {
-    pin(cpus[0]);
-    StepBarrier mine(words, 2);
-    for (;;) {
-      const uint32_t last = mine.generation();
-      spinning.store(last);
-      Command cmd{};
-      CHECK(mine.wait_command(last, kWaitLimit, kWaitLimit, &cmd) == WaitStatus::kReady);
-      if (cmd.kind == kCmdStop) return;
-    }
-  });
-  pin(cpus[1]);
-  barrier.set_neighbour_wait_ns(kWaitLimit);
-  for (uint32_t r = 0; r < kRounds; ++r) {
-    const int64_t deadline = monotonic_ns() + kWaitLimit;
-    barrier.post(kCmdWork, r);
-    words->main_sleeping.value.store(1);  // main posts, then sleeps (awake until now)
-    barrier.arrive();  // the neighbour's part
-    // It registered once it spins for the next command.
-    while (spinning.load() != barrier.generation() || words->main_neighbour.value.load() == 0) {
-      CHECK(monotonic_ns() < deadline);
-      std::this_thread::yield();
-    }
-    barrier.arrive();
-    CHECK(words->main_wake_claim.value.load() == barrier.generation());
-  }
-  barrier.post(kCmdStop, 0);
-  neighbour.join();
-  CHECK(pthread_setaffinity_np(pthread_self(), sizeof(allowed), &allowed) == 0);
-  CHECK(words->main_neighbour.value.load() == 0);  // it left when its spin ended
-  CHECK(barrier.neighbour_wakes() == kRounds);
-}
-
 // ---------------------------------------------------------- doorbell
 
 struct PingPongArea {
@@ -646,7 +545,6 @@ int main(int argc, char** argv) {
   run_case("segment", test_segment);
   run_case("adaptive spin", test_adaptive_spin);
   run_case("barrier timeouts", test_barrier_timeouts);
-  run_case("barrier neighbour wake-ups", test_barrier_neighbour);
   run_case("barrier threads x3, sleep", [&] { test_barrier(threads, 3, 0, n); });
   run_case("barrier threads x4, spin", [&] { test_barrier(threads, 4, spin, n); });
   run_case("doorbell threads, sleep", [&] { test_doorbell(threads, 0, n); });
