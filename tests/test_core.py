@@ -483,7 +483,7 @@ def test_barrier_offset_is_checked():
         _core.StepBarrier(seg, 4096 - 64, 1)  # does not fit
     with pytest.raises(ValueError):
         _core.StepBarrier(seg, BARRIER + 4, 1)  # misaligned
-    assert _core.StepBarrier.nbytes == 11 * 64
+    assert _core.StepBarrier.nbytes == 7 * 64
 
 
 def test_barrier_counts_the_workers_with_a_message():
