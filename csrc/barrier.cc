@@ -49,7 +49,8 @@ void StepBarrier::arrive(bool message) noexcept {
   if (message) w_->messages.value.fetch_add(1, std::memory_order_relaxed);
   // seq_cst: this count, then the read of main_sleeping (see spin_then_sleep).
   const uint32_t now = w_->done.value.fetch_add(1, std::memory_order_seq_cst) + 1;
-  if (now == num_workers_ && w_->main_sleeping.value.load(std::memory_order_seq_cst) != 0) {
+  if (now == num_workers_ &&
+      w_->main_sleeping.value.load(std::memory_order_seq_cst) != 0) {
     futex_wake(&w_->done.value, 1);
   }
 }

@@ -62,7 +62,8 @@ class AdaptiveSpin {
       const int64_t target = std::min(cap_ns_, 2 * o.waited_ns);
       budget_ns_ += (target - budget_ns_) / 8;
     } else if (o.waited_ns <= cap_ns_) {
-      const int64_t grown = std::max({2 * budget_ns_, o.waited_ns + o.waited_ns / 2, kMinGrowNs});
+      const int64_t grown =
+          std::max({2 * budget_ns_, o.waited_ns + o.waited_ns / 2, kMinGrowNs});
       budget_ns_ = std::min(cap_ns_, grown);
     } else {
       budget_ns_ /= 2;

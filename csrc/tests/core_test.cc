@@ -505,14 +505,14 @@ void test_adaptive_spin() {
   CHECK(never.budget_ns() == 0);  // cap 0: never spins, whatever it sees
 
   AdaptiveSpin a(200 * kUs);
-  CHECK(a.budget_ns() == 50 * kUs);  // starts at the fixed spin it replaced
+  CHECK(a.budget_ns() == 50 * kUs);              // starts at the fixed spin it replaced
   a.learn(WaitOutcome{120 * kUs, true, false});  // slept through a gap within the cap
-  CHECK(a.budget_ns() == 180 * kUs);              // grown to 1.5x that gap
+  CHECK(a.budget_ns() == 180 * kUs);             // grown to 1.5x that gap
   a.learn(WaitOutcome{190 * kUs, true, false});
   CHECK(a.budget_ns() == 200 * kUs);  // never past the cap
   for (int i = 0; i < 100; ++i) a.learn(WaitOutcome{20 * kUs, false, false});
   CHECK(a.budget_ns() < 45 * kUs && a.budget_ns() >= 40 * kUs);  // drifted to ~2x gaps
-  a.learn(WaitOutcome{500 * kUs, true, false});  // beyond the cap: halve
+  a.learn(WaitOutcome{500 * kUs, true, false});                  // beyond the cap: halve
   CHECK(a.budget_ns() < 23 * kUs);
   a.learn(WaitOutcome{5 * kUs, true, false});  // a short gap slept through: regrow
   CHECK(a.budget_ns() >= AdaptiveSpin::kMinGrowNs);
@@ -553,14 +553,16 @@ int main(int argc, char** argv) {
   run_case("ring threads x4, spin", [&] { test_ring(threads, 4, spin, 4 * n); });
   // Adaptive (a negative spin: its cap): budgets move between 0 and the cap.
   const int64_t adaptive = -200000;
-  run_case("barrier threads x3, adaptive", [&] { test_barrier(threads, 3, adaptive, n); });
+  run_case("barrier threads x3, adaptive",
+           [&] { test_barrier(threads, 3, adaptive, n); });
   run_case("doorbell threads, adaptive", [&] { test_doorbell(threads, adaptive, n); });
   run_case("ring threads x3, adaptive", [&] { test_ring(threads, 3, adaptive, 4 * n); });
   if (fork_cases) {
     run_case("barrier processes x3", [&] { test_barrier(procs, 3, 0, n); });
     run_case("doorbell processes", [&] { test_doorbell(procs, 0, n); });
     run_case("ring processes x2", [&] { test_ring(procs, 2, spin, 4 * n); });
-    run_case("barrier processes x3, adaptive", [&] { test_barrier(procs, 3, adaptive, n); });
+    run_case("barrier processes x3, adaptive",
+             [&] { test_barrier(procs, 3, adaptive, n); });
   }
   std::printf("all core tests passed\n");
   return 0;
