@@ -79,7 +79,6 @@ class SpinPolicy(NamedTuple):
     worker: Spin  # a worker waiting for the next command
 
 
-
 def available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))

@@ -173,7 +173,8 @@ class AsyncWire:
 
     def recovery_plan(self, dead: int, read: Set[Row]) -> dict[int, tuple]:
         """What the replacement of ``dead`` must deliver: env -> (how, slot, row,
-        command), ``how`` one of "hole", "claim", "rewrite" (Worker.recover, over shmvec.wires.AsyncWire).
+        command), ``how`` one of "hole", "claim", "rewrite" (``Worker.recover`` over
+        ``shmvec.wires.AsyncWire``).
 
         Once the other workers have done all they were given, the ring tells
         what the dead worker left: rows it published (their messages are read
