@@ -52,8 +52,8 @@ class RegionLease:
     def __init__(
         self, segment: Any, address: int, size: int, free: list[int], region: int
     ) -> None: ...
-    if sys.version_info >= (3, 12):
-        def __buffer__(self, flags: int, /) -> memoryview: ...
+    # The buffer protocol (typing_extensions.Buffer), on every Python version.
+    def __buffer__(self, flags: int, /) -> memoryview: ...
 
 @final
 class Stepper:

@@ -73,7 +73,7 @@ class ObsLeases:
             self.segment, self.segment.address + start, stop - start, self.free, region
         )
         arrays = [
-            np.ndarray(shape, dtype, buffer=lease, offset=offset)
+            np.ndarray(shape, dtype, buffer=memoryview(lease), offset=offset)
             for offset, shape, dtype in self.leaves[region]
         ]
         return self.codec.read_batch(arrays, False)

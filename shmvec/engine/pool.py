@@ -127,7 +127,8 @@ class WorkerPool:
     def start_worker(self, index: int, **spec_changes: Any) -> tuple:
         """Starts the process of worker ``index`` (again, after a death); returns it
         and the main's end of its pipe."""
-        ctx = worker_context(self.context)
+        # typeshed's BaseContext has no Process; every concrete context has one.
+        ctx: Any = worker_context(self.context)
         rows = self.blocks[index]
         block = self.env_fns[rows.start : rows.stop]
         payload = block if ctx.get_start_method() == "fork" else _pickle_env_fns(block, rows)
