@@ -1,6 +1,5 @@
 """Types of shmvec._worker_loop (compiled from _worker_loop.pyx)."""
 
-import sys
 from collections.abc import Callable
 from typing import Any, final
 
