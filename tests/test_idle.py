@@ -1,4 +1,4 @@
-"""A vector env that is not stepped burns no core (issue 13: adaptive waiting).
+"""A vector env that is not stepped burns no core (adaptive waiting).
 
 Waiters spin only while rounds come quickly (csrc/wait_policy.h); once the
 user stops stepping, every process of the vector env must go quiet. CPU time

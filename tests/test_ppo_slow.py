@@ -3,7 +3,7 @@
 Skipped unless ``SHMVEC_SLOW=1``; one seed takes ~1-3 minutes on 2 cores. "Solves"
 is CartPole-v1's threshold, 475, for the mean return of the last 20 episodes at
 some iteration (the final line's figure can dip below it: see
-docs/ppo-cartpole-seeds.md).
+docs/guides/examples.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workers get a start method that is safe once CUDA is initialized (issue 14)."""
+"""Workers get a start method that is safe once CUDA is initialized."""
 
 from __future__ import annotations
 

@@ -150,7 +150,7 @@ def test_tensor_actions_go_through_wrappers_in_between():
 
 @needs_cuda
 def test_envs_and_restarts_after_cuda_work_never_kill_a_worker():
-    """Issue 14: create, close and re-create envs, and restart a killed worker,
+    """Create, close and re-create envs, and restart a killed worker,
     in a process that has used CUDA and registered then unregistered a segment."""
     envs = TorchVectorEnv(cartpoles(n=4), device="cuda")
     envs.reset(seed=0)

@@ -1,6 +1,6 @@
 // Native tests of the C++ core (futex, Segment, StepBarrier, ResultRing,
 // Doorbell), without Python, so that they can run under AddressSanitizer,
-// UndefinedBehaviorSanitizer and ThreadSanitizer (tools/sanitize.sh).
+// UndefinedBehaviorSanitizer and ThreadSanitizer (dev/sanitize.sh).
 //
 // The concurrent scenarios run their peers either as threads of this process
 // (what ThreadSanitizer can check: it does not see through memory shared
