@@ -59,6 +59,18 @@ def test_every_constructor_option_is_in_the_docstring_table():
             assert default_text == _written(p.default), f"{p.name}: default {p.default!r}"
 
 
+def test_every_constructor_option_is_in_the_options_page():
+    # docs/options.md: the user's table, one row per option, in signature order.
+    page = (ROOT / "docs" / "options.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \|", page, re.M)
+    parameters = [
+        p for p in inspect.signature(shmvec.ShmVectorEnv.__init__).parameters if p != "self"
+    ]
+    missing = [name for name in parameters if name not in rows]
+    assert not missing, f"options missing from docs/options.md: {missing}"
+    assert [r for r in rows if r in parameters] == parameters, "listed in signature order"
+
+
 def test_the_table_parser_sees_a_missing_option():
     doc = shmvec.ShmVectorEnv.__doc__ or ""
     without = re.sub(r"\n {8}ring_depth \(.*?\n", "\n", doc)
