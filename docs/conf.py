@@ -50,6 +50,9 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(collections\.abc|typing|types)\..*"),
     (r"py:.*", r"(ArrayType|Seeds|Options|VecEnvIndices|VecEnvObs|VecEnvStepReturn|Env)"),
     (r"py:.*", r"(AutoresetMode|EnvSpec|Space|VectorEnv|VecEnv|ResultHandoff|SpanPacker)"),
+    # The constructor's "Args:" entries read "name (type, default value)": napoleon hands
+    # "default value" to the type field, where it is text, not a class.
+    (r"py:class", r"default .*"),
 ]
 
 html_theme = "furo"
