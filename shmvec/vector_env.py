@@ -108,9 +108,9 @@ class ShmVectorEnv(VectorEnvBase):
         context (str | None, default None): multiprocessing start method (None: Python's).
         daemon (bool, default True): whether workers are daemonic.
         worker (Callable | None, default None): must be None (shmvec runs its own loop).
-        observation_mode (str | gym.Space | tuple[gym.Space, gym.Space], default
-            "same"): ``"same"``, ``"different"`` or a ``(batched, single)`` tuple of
-            spaces, as in AsyncVectorEnv.
+        observation_mode (str | gym.Space | tuple[gym.Space, gym.Space], default "same"):
+            ``"same"``, ``"different"`` or a ``(batched, single)`` tuple of spaces, as in
+            AsyncVectorEnv.
         autoreset_mode (str | AutoresetMode, default AutoresetMode.NEXT_STEP): an
             ``AutoresetMode`` or its string value.
         max_concurrency (int | None, default None): at most this many envs stepping
