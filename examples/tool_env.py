@@ -5,9 +5,9 @@
 Agent-training envs (tool calls, code sandboxes, web pages, remote simulators)
 spend most of a step waiting for a service. Here the "tool" is an HTTP server
 on 127.0.0.1 (a child process, an ephemeral port, stopped at the end) that
-answers each call after ``--latency-ms``. ``ShmVectorEnv(env_fns)`` needs no
-new argument: each worker measures that its envs' steps mostly wait and steps
-its envs in threads (``stats()["worker_env_threads"]``), so a few processes
+answers each call after ``--latency-ms``. ``ShmVectorEnv(env_fns,
+env_concurrency=num_envs)`` says that the envs wait: each worker steps all of its
+envs at once, in threads (``stats()["worker_env_threads"]``), so a few processes
 serve many waiting envs. The example prints steps/s and the memory of all
 processes against gymnasium's AsyncVectorEnv (a process per env).
 """
@@ -174,7 +174,8 @@ def main() -> None:
         env_fns = [lambda: ToolEnv(port)] * args.num_envs
         print(f"{args.num_envs} envs, each step one HTTP call of {args.latency_ms:g} ms "
               f"(ideal {args.num_envs / args.latency_ms * 1000:,.0f} steps/s)")  # fmt: skip
-        ours = run("shmvec.ShmVectorEnv", shmvec.ShmVectorEnv(env_fns), args.seconds)
+        envs = shmvec.ShmVectorEnv(env_fns, env_concurrency=args.num_envs)
+        ours = run("shmvec.ShmVectorEnv", envs, args.seconds)
         theirs = run("gymnasium AsyncVectorEnv", gym.vector.AsyncVectorEnv(env_fns), args.seconds)
         print(f"shmvec / AsyncVectorEnv: {ours / theirs:.2f}x")
     finally:

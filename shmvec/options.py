@@ -107,11 +107,10 @@ class TuningOptions:
 
     def per_worker_concurrency(self, max_concurrency: int | None, num_workers: int) -> int | None:
         """``env_concurrency`` per worker, bounded by ``max_concurrency`` too (at most
-        that many envs inside ``step`` over all workers). None: a whole block."""
+        that many envs inside ``step`` over all workers). None: one env at a time."""
         value = self.env_concurrency
-        if max_concurrency is not None:
-            per_worker = max(1, max_concurrency // num_workers)
-            value = per_worker if value is None else min(value, per_worker)
+        if max_concurrency is not None and value is not None:
+            value = min(value, max(1, max_concurrency // num_workers))
         return value
 
 

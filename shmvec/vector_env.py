@@ -145,9 +145,9 @@ class ShmVectorEnv(VectorEnvBase):
             RuntimeError.
         validate_actions (bool, default False): check every action against
             ``single_action_space`` (a ValueError naming the envs before any steps).
-        env_concurrency (int | None, default None): envs a worker may step at once,
-            in threads, when they mostly wait (shmvec/concurrent_envs.py). None:
-            decided by measuring; an int caps it (``1``: never).
+        env_concurrency (int | None, default None): envs a worker steps at once, in
+            threads, for envs whose step mostly waits (shmvec/concurrent_envs.py).
+            None or ``1``: one after another.
         pin_workers (bool | None, default None): keep each worker process on one CPU
             (worker ``k`` on the ``k``-th usable CPU, round robin). None: in sync
             mode, when there are at least as many worker processes as CPUs, on 8 CPUs

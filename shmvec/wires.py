@@ -69,8 +69,8 @@ class SyncWire:
             self.command = block.barrier.wait_command(block.generation, spin_ns, timeout_ns)
             return self.command is not None
         ran, self.command = block.serve_rounds(spin_ns, timeout_ns, serial)
-        concurrency.ran_serial(ran)
-        return self.command is not None or ran == serial  # else: a probe round is due
+        # all rounds ran: a pinned worker's check for child processes is due
+        return self.command is not None or ran == serial
 
     def work(self) -> bool:
         """Runs the command waited for; False once the worker must exit."""

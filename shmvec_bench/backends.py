@@ -34,7 +34,7 @@ from shmvec_bench.registry import (
     vector_stepper,
     with_policy,
 )
-from shmvec_bench.workloads import ENVPOOL_TASKS, WORKLOADS
+from shmvec_bench.workloads import ENVPOOL_TASKS, WAIT_S, WORKLOADS
 
 # --------------------------------------------------------------------- backends
 
@@ -43,6 +43,8 @@ def _shmvec(args: OpenArgs, **kwargs: Any):
     import shmvec
 
     workers = None if args.num_workers is None else min(args.num_workers, args.num_envs)
+    if args.workload in WAIT_S:  # envs that wait: as a user says so, every env at once
+        kwargs.setdefault("env_concurrency", args.num_envs)
     return shmvec.ShmVectorEnv(args.fns, context=args.context, num_workers=workers, **kwargs)
 
 

@@ -21,13 +21,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import assert_same
 
 from shmvec import ShmVectorEnv, WorkerDiedError, concurrent_envs
-from shmvec.concurrent_envs import (
-    REPROBE_ROUNDS,
-    ConcurrencyGovernor,
-    EnvThreadPool,
-    WaitProbe,
-    threads_for,
-)
+from shmvec.concurrent_envs import CHILD_CHECK_ROUNDS, EnvThreadPool
 
 
 class WaitingEnv(gym.Env):
@@ -96,76 +90,6 @@ def waiting_fns(n: int, cls=WaitingEnv, **kwargs) -> list:
 # ------------------------------------------------------------ the mechanism
 
 
-def test_threads_for_waiting_and_computing_steps():
-    # 5 ms of wall, 20 us of CPU: waiting; the cap (block size) decides.
-    assert threads_for(5_000_000, 20_000, 0, limit=8) == 8
-    # All CPU, or CPU plus time runnable on a busy machine: computing.
-    assert threads_for(5_000_000, 4_900_000, 0, limit=8) == 1
-    assert threads_for(5_000_000, 2_000_000, 2_900_000, limit=8) == 1
-    # Waiting on a busy machine: most of the wall time on the run queue.
-    assert threads_for(6_700_000, 270_000, 3_000_000, limit=8) == 8
-    assert threads_for(5_000_000, 20_000, 0, limit=1) == 1  # env_concurrency=1
-    # Short CPU-bound steps whose "blocked" time is noise (16 steps of 8 us CPU,
-    # 6 us unaccounted each) stay serial; 16 steps that block 1 ms each do not.
-    assert threads_for(16 * 14_000, 16 * 8_000, 0, limit=8, steps=16) == 1
-    assert threads_for(16 * 1_010_000, 16 * 10_000, 0, limit=8, steps=16) == 8
-
-
-def test_governor_probes_then_decides_and_probes_again():
-    governor = ConcurrencyGovernor(block_size=4, cap=None)
-    assert governor.probe_due()  # the first round is a probe
-    assert not governor.add((0, 0, 0), (100_000, 90_000, 0))
-    governor.finish()  # one step is not enough: the next round probes too
-    assert governor.probe_due()
-    assert not governor.add((0, 0, 0), (100_000, 90_000, 0))  # short steps: until finish()
-    governor.finish()
-    assert governor.threads == 1
-    rounds = [governor.probe_due() for _ in range(REPROBE_ROUNDS + 1)]
-    assert rounds.count(True) == 1 and rounds[-1]
-    assert not governor.add((0, 0, 0), (3_000_000, 30_000, 10_000))
-    assert governor.add((0, 0, 0), (3_000_000, 30_000, 10_000))  # 6 ms: enough to tell
-    assert governor.threads == 4 and not governor.probe_due()
-    assert not ConcurrencyGovernor(block_size=1, cap=None).probe_due()
-    assert ConcurrencyGovernor(block_size=8, cap=3).limit == 3
-
-
-def test_serial_rounds_run_in_bulk_count_as_probe_due_calls():
-    # The worker's Cython loop runs serial_rounds() rounds, then ran(n): the
-    # probe must come on the same round as with one probe_due() a round.
-    governor = ConcurrencyGovernor(block_size=4, cap=None)
-    assert governor.serial_rounds() == 0 and governor.probe_due()
-    governor.add((0, 0, 0), (100_000, 90_000, 0))
-    governor.add((0, 0, 0), (100_000, 90_000, 0))
-    governor.finish()
-    assert governor.serial_rounds() == REPROBE_ROUNDS
-    governor.ran(REPROBE_ROUNDS - 1)
-    assert governor.serial_rounds() == 1
-    governor.ran(1)
-    assert governor.serial_rounds() == 0 and governor.probe_due()
-    never = ConcurrencyGovernor(block_size=1, cap=None)
-    never.ran(10**6)
-    assert never.serial_rounds() > 10**12 and not never.probe_due()
-
-
-def test_wait_probe_tells_sleep_from_work():
-    probe = WaitProbe()
-    try:
-        before = probe.sample()
-        time.sleep(0.01)
-        after = probe.sample()
-        wall, cpu = after[0] - before[0], after[1] - before[1]
-        assert wall >= 10_000_000 and cpu < wall / 3
-        before = probe.sample()
-        deadline = time.perf_counter() + 0.01
-        while time.perf_counter() < deadline:
-            pass
-        after = probe.sample()
-        busy = (after[1] - before[1]) + (after[2] - before[2])  # CPU + run queue
-        assert busy > (after[0] - before[0]) * 2 / 3
-    finally:
-        probe.close()
-
-
 def test_pool_map_keeps_item_order_and_returns_exceptions():
     pool = EnvThreadPool(os.sched_getaffinity(0))
     pool.grow(4)
@@ -215,7 +139,7 @@ def run_both(fns, mode: AutoresetMode, steps: int, **kwargs):
 
 @pytest.mark.parametrize("mode", list(AutoresetMode))
 def test_sync_mode_matches_sync_vector_env_with_threads(mode):
-    stats = run_both(waiting_fns(6), mode, steps=40, num_workers=2)
+    stats = run_both(waiting_fns(6), mode, steps=40, num_workers=2, env_concurrency=3)
     assert stats["worker_env_threads"] == [3, 3]  # each worker steps its 3 envs at once
 
 
@@ -224,18 +148,28 @@ def test_cap_and_never():
                     env_concurrency=2)["worker_env_threads"] == [2, 2]  # fmt: skip
     assert run_both(waiting_fns(4), AutoresetMode.NEXT_STEP, 12, num_workers=2,
                     env_concurrency=1)["worker_env_threads"] == [1, 1]  # fmt: skip
-    # max_concurrency bounds the envs inside step over all workers: 2 workers x 2.
-    envs = ShmVectorEnv(waiting_fns(8), num_workers=2, max_concurrency=4)
+    # More than a worker's block: the block.
+    assert run_both(waiting_fns(4), AutoresetMode.NEXT_STEP, 4, num_workers=2,
+                    env_concurrency=16)["worker_env_threads"] == [2, 2]  # fmt: skip
+    # max_concurrency bounds the envs inside step over all workers: 2 workers x 2;
+    # alone it starts no threads.
+    envs = ShmVectorEnv(waiting_fns(8), num_workers=2, max_concurrency=4, env_concurrency=8)
     try:
         assert envs.env_concurrency == 2
+    finally:
+        envs.close()
+    envs = ShmVectorEnv(waiting_fns(8), num_workers=2, max_concurrency=4)
+    try:
+        assert envs.env_concurrency is None
     finally:
         envs.close()
     with pytest.raises(ValueError, match="env_concurrency must be None or an int >= 1"):
         ShmVectorEnv(waiting_fns(2), env_concurrency=0)
 
 
-def test_computing_envs_stay_serial():
-    envs = ShmVectorEnv(waiting_fns(4, BusyEnv), num_workers=2)
+@pytest.mark.parametrize("env_class", [WaitingEnv, BusyEnv])
+def test_envs_step_one_after_another_by_default(env_class):
+    envs = ShmVectorEnv(waiting_fns(4, env_class), num_workers=2)
     try:
         envs.reset(seed=0)
         for _ in range(20):
@@ -243,43 +177,6 @@ def test_computing_envs_stay_serial():
         stats = envs.stats()
         assert stats["worker_env_threads"] == [1, 1]
         assert len(stats["worker_cpu_fraction"]) == 2
-    finally:
-        envs.close()
-
-
-class LaterWaitingEnv(BusyEnv):
-    """Computes (0.5 ms) for its first ``busy_steps`` steps, then waits (2 ms)
-    as an agent's env does once its episode reaches the tool calls."""
-
-    busy_steps = REPROBE_ROUNDS + 20
-
-    def __init__(self, index: int = 0) -> None:
-        super().__init__(index)
-        self.steps = 0
-
-    def step(self, action):
-        self.steps += 1
-        if self.steps <= self.busy_steps:
-            return super().step(action)
-        time.sleep(0.002)
-        self.t += 1
-        return np.array([self.t, float(action), self.offset]), 1.0, False, False, {}
-
-
-def test_envs_that_start_waiting_later_get_threads():
-    # Serial rounds run in the worker's Cython loop until the next probe is due.
-    envs = ShmVectorEnv(waiting_fns(4, LaterWaitingEnv), num_workers=2)
-    try:
-        envs.reset(seed=0)
-        actions = np.zeros(4, dtype=np.int64)
-        for _ in range(LaterWaitingEnv.busy_steps):
-            envs.step(actions)
-        assert envs.stats()["worker_env_threads"] == [1, 1]
-        for _ in range(REPROBE_ROUNDS + 8):
-            envs.step(actions)
-            if envs.stats()["worker_env_threads"] == [2, 2]:
-                break
-        assert envs.stats()["worker_env_threads"] == [2, 2]
     finally:
         envs.close()
 
@@ -323,7 +220,8 @@ def step_until_threaded(envs, rounds: int = 64) -> dict:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_each_workers_env_threads_share_one_cpu():
     everywhere = sorted(os.sched_getaffinity(0))
-    envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(4)], num_workers=2)
+    envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(4)], num_workers=2,
+                        env_concurrency=2)  # fmt: skip
     try:
         envs.reset(seed=0)
         infos = step_until_threaded(envs)
@@ -340,7 +238,7 @@ def test_a_worker_whose_envs_start_processes_runs_them_everywhere(monkeypatch):
     monkeypatch.setattr(concurrent_envs, "CHILD_CHECK_S", 0.0)
     everywhere = len(os.sched_getaffinity(0))
     envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(4)], num_workers=2,
-                        context="fork")  # fmt: skip
+                        env_concurrency=2, context="fork")  # fmt: skip
     try:
         envs.reset(seed=0)
         assert step_until_threaded(envs)["cpus"].tolist() == [1, 1, 1, 1]
@@ -377,7 +275,7 @@ def test_pinned_workers_step_on_their_cpu_until_their_envs_start_processes(monke
         # of serial rounds); worker 1 stays pinned.
         envs.set_attr("spawn", [True, True, False, False])
         assert envs.step(actions)[4]["child_cpus"][:2].tolist() == [1, 1]
-        for _ in range(REPROBE_ROUNDS + 2):
+        for _ in range(CHILD_CHECK_ROUNDS + 2):
             infos = envs.step(actions)[4]
             if infos["cpus"][0] > 1:
                 break
@@ -433,7 +331,8 @@ def reference_step(env, mode, ended, action):
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
 def test_async_mode_each_env_matches_stepping_it_alone(mode):
     n, batch = 8, 3
-    envs = ShmVectorEnv(waiting_fns(n), num_workers=2, batch_size=batch, autoreset_mode=mode)
+    envs = ShmVectorEnv(waiting_fns(n), num_workers=2, batch_size=batch, autoreset_mode=mode,
+                        env_concurrency=4)  # fmt: skip
     alone = waiting_fns(n)
     alone = [fn() for fn in alone]
     expected, ended = {}, np.zeros(n, dtype=bool)
@@ -473,6 +372,7 @@ def test_async_mode_each_env_matches_stepping_it_alone(mode):
 
 
 def started_threaded(n: int = 4, **kwargs) -> ShmVectorEnv:
+    kwargs.setdefault("env_concurrency", n // 2)
     envs = ShmVectorEnv(waiting_fns(n, episode_len=1000), num_workers=2, **kwargs)
     envs.reset(seed=0)
     for _ in range(3):
@@ -512,11 +412,12 @@ def test_env_timeout_in_async_mode_with_threads():
         batch_size=2,
         on_worker_death="restart",
         env_timeout=0.5,
+        env_concurrency=3,
     )
     rng = np.random.default_rng(0)
     try:
         envs.async_reset(seed=0)
-        for _ in range(60):  # each worker decides once it has seen two of its envs' steps
+        for _ in range(60):  # each worker's word is written once the worker is up
             ids = envs.recv()[4]["env_id"]
             envs.send(rng.integers(0, 4, len(ids)), ids)
             if envs.stats()["worker_env_threads"] == [3, 3]:
