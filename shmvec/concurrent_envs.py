@@ -9,21 +9,12 @@ single-threaded Cython loop steps them one after another. shmvec does not guess
 which envs wait: a guess from timing a few steps misjudged CPU-bound envs on a
 busy machine (docs/design/heuristics.md).
 
-Why threads in the worker, not more processes: a waiting env needs no core,
-only somewhere to wait; a thread costs ~100 KiB where a process with its own
-interpreter and gymnasium import costs ~25 MiB, and the CPU-bound path (one
-worker per core, no GIL contention) stays as it is.
-
-A worker's env threads share one GIL, so one of them runs Python at a time;
-they are placed on one CPU (worker ``k``: the ``k``-th CPU it may use) so that
-each GIL hand-off is a switch on that CPU, not a wake-up of a thread on
-another CPU (measured on a 2-vCPU VM, 2 workers x 128 envs that wait 20 ms:
-CPU per env step 62 -> 30 us, 73% -> 81% of 256 / 20 ms). A child process
-inherits the CPU of the thread that starts it, so a worker whose envs start
-processes (sandboxes, tool calls) is unplaced for good, its children too,
-once it has any (checked every ``CHILD_CHECK_S``). A worker pinned to its CPU
-(``pin=True``, see ``shmvec.spin.default_pinning``) steps there serially too, and
-is unpinned the same way (checked at least every ``CHILD_CHECK_ROUNDS`` rounds).
+Threads, not processes: a waiting env needs somewhere to wait, not a core. A
+worker's env threads share one GIL and run on one CPU (worker ``k``: the
+``k``-th CPU it may use), so each GIL hand-off is a switch on that CPU; once
+the worker has child processes (checked every ``CHILD_CHECK_S``; a pinned
+worker also every ``CHILD_CHECK_ROUNDS`` rounds) they and the threads go back
+to every CPU for good. Measurements: docs/design/heuristics.md.
 
 Each env is stepped by one thread at a time and writes its results at its
 own row (sync mode) or a row it claims (async mode), so results never depend

@@ -1,49 +1,11 @@
 """The wire protocol: everything that crosses the main/worker process boundary.
 
-Three channels, defined here and nowhere else:
-
-1. **The step barrier** (csrc/barrier.h). Main posts ``(kind, arg)`` with one
-   of the command kinds below; every worker runs it for its block and arrives.
-   ``STEP``'s arg is the ring slot, with ``BY_VALUE_BIT`` set when this round's
-   actions come pickled on the pipe (tag ``"actions"``) instead of in the
-   action slab, and the round's observation region above ``REGION_SHIFT``
-   (0: the slot's own observation columns; ``r + 1``: lease region ``r``, see
-   shmvec/layout.py). ``RESET``'s arg is the slot and region; ``CALL``,
-   ``SET_ATTR`` and ``CLOSE`` take none.
-
-2. **Shared words written from numpy** (offsets in shmvec/layout.py):
-
-   - *Env commands* (async mode): one uint8 per env, ``ENV_IDLE``,
-     ``ENV_STEP`` or ``ENV_RESET``. Main writes a command, then rings the
-     owner's doorbell (csrc/result_ring.h); the worker clears it to
-     ``ENV_IDLE`` *before* it publishes the env's row, since main may send
-     again as soon as it sees the row.
-   - *Per-worker lines*: one cache line per worker, written only by that
-     worker and read by main, so no line bounces between writers. uint32
-     words: ``LINE_MESSAGE`` (1: a pickled message follows this round; main
-     clears it when it reads the message), ``LINE_CURRENT_ENV`` (1 + the env
-     being stepped, 0 between envs: timeouts name it), ``LINE_FINISHED``
-     (the last barrier generation finished: a restart round ends without the
-     barrier's count), ``LINE_ENV_THREADS`` (how many of its envs it steps at
-     once, shmvec/concurrent_envs.py). uint64 words: ``LINE_BUSY_NS`` (time serving
-     commands, for ``stats()``), ``LINE_ENV_STARTED_NS`` (CLOCK_MONOTONIC when
-     the current env began, async mode's ``env_timeout``). The worker writes
-     all of them *before* it arrives at the barrier, whose release ordering
-     publishes them.
-   - *Ring slot rows* (shmvec/layout.py ``SlotViews``): results, numeric info
-     columns (shmvec/infos.py), ``env_ids`` (async mode; ``UNWRITTEN`` until a
-     worker writes the row) and a per-row message flag.
-
-3. **The pipe** (one per worker, pickled dicts). Main to worker:
-   ``(tag, payload)`` with tag ``"reset"``, ``"actions"``, ``"call"`` or
-   ``"set_attr"``, sent *before* the command that reads it. Worker to main:
-   a message of a round (sent only after the worker arrived, so a large one
-   never blocks a round main waits for) or of an async row (with key
-   ``"row"``: ``(slot, row)``). Keys: ``"infos"`` ``[(row, [info, ...])]``,
-   ``"errors"`` ``[(row, exception, traceback)]``, ``"obs"`` (pickled
-   observations by row), ``"info_columns"`` (``(key, column)`` pairs new this
-   round), ``"results"`` (``call``), ``"ready"`` / ``"startup_error"`` /
-   ``"recovered"`` (start-up).
+Three channels, whose constants are defined here and nowhere else: the step
+barrier (``(kind, arg)`` commands, csrc/barrier.h), shared words written from
+numpy (env commands, per-worker lines, ring slot rows; offsets in
+shmvec/layout.py) and one pipe per worker (pickled dicts, sent by a worker only
+after it arrived). docs/design/protocol.md describes each word, tag and message
+key and the order of writes that publishes them.
 """
 
 from __future__ import annotations

@@ -2,59 +2,8 @@
 
 Install with ``pip install stable-baselines3``.
 
-SB3's ``VecEnv`` conventions differ from gymnasium's vector API, and the adapter
-translates:
-
-- ``step`` returns ``(obs, rewards, dones, infos)`` with ``dones = terminated |
-  truncated`` and ``infos`` a list of one dict per env. A done env is reset in
-  the same step (the ShmVectorEnv runs with ``AutoresetMode.SAME_STEP``): its
-  observation is the first of the new episode, ``infos[i]`` is the info of the
-  final step with ``"terminal_observation"`` (the last observation) and
-  ``"TimeLimit.truncated"`` (``truncated and not terminated``, set for every
-  env), and the reset's info goes to ``reset_infos[i]``.
-- gymnasium's batched infos (``{"key": array, "_key": mask}``, nested dicts
-  included) become per-env dicts holding only the keys each env reported.
-- ``reset()`` takes no arguments: seeds set with ``seed()`` and options set with
-  ``set_options()`` are used once, at the next reset, as in SB3's own VecEnvs.
-- ``rewards`` are float32, as ``DummyVecEnv`` returns them.
-- ``get_attr``/``set_attr``/``env_method``/``env_is_wrapped`` take ``indices``
-  and behave as in ``DummyVecEnv``: ``get_attr`` returns attributes without
-  calling them, ``set_attr`` is ``setattr`` on the outermost wrapper, and only
-  the envs named by ``indices`` are touched. ``indices`` index the envs as a
-  Python list would (None, an int, negative ints, a list, a range; an index
-  named twice runs twice); one out of range is an ``IndexError`` raised before
-  anything reaches a worker.
-- ``step``/``step_async`` take what SB3's VecEnvs take: a batched array, or a
-  list of one action per env (for Dict and Tuple spaces, a list of per-env
-  dicts or tuples, ``[venv.action_space.sample() for _ in range(n)]``); also
-  gymnasium's batched form (a dict of arrays, a tuple of arrays). They are
-  stacked into the batched form before anything reaches a worker; a batch
-  with the wrong number of actions raises ``ActionCountError`` (both an
-  ``IndexError``, as in ``DummyVecEnv``, and a ``ValueError``, as in
-  ``SubprocVecEnv``). Actions of a dtype the space's cannot hold safely
-  (floats for an integer space) are cast only when that keeps their values,
-  else a ``TypeError`` says so: shared memory has the space's dtype, where
-  ``DummyVecEnv`` hands the env whatever it was given.
-
-Built from ``env_fns``, every env carries a small helper attribute
-(``_shmvec_sb3``, see ``sb3_env_fns``) through which the worker runs these
-per-env operations: exact ``isinstance`` checks for ``env_is_wrapped``, and
-``env_method``/``set_attr`` that never touch the envs left out of ``indices``.
-A vector env built elsewhere (``shmvec.make_vec``, a ShmVectorEnv of your own)
-works too, with two limits: ``env_method`` with ``indices`` naming a strict
-subset runs the method in every env and keeps the requested results (a
-``RuntimeWarning`` says so), and ``env_is_wrapped`` compares class names along
-the wrapper chain (as printed by ``gymnasium.Wrapper.__str__``). Build the
-ShmVectorEnv from ``sb3_env_fns(env_fns)`` to lift both.
-
-A gymnasium vector wrapper around the ShmVectorEnv can be given too; its
-``step``/``reset`` are used, and attribute calls go to the sub-envs through the
-ShmVectorEnv inside. Mind that in SAME_STEP infos a done env's top-level keys
-are its reset's info, so what a vector wrapper adds there on the done step
-(``gymnasium.wrappers.vector.RecordEpisodeStatistics``'s ``"episode"``) ends up
-in ``reset_infos[i]``; for SB3's episode logging wrap the single envs in
-``stable_baselines3.common.monitor.Monitor`` (as ``make_vec_env`` does) or use
-``VecMonitor``.
+How it translates SB3's conventions (dones, infos, ``indices``, action batches) and
+its limits: docs/guides/sb3.md.
 
 Example:
     >>> import gymnasium as gym

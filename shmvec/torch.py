@@ -2,32 +2,9 @@
 
 Install with ``pip install shmvec[torch]``.
 
-- ``device="cpu"``: tensors are zero-copy views (``torch.from_numpy``) of what
-  the env returns. With the env's ``copy=False`` they are views of the result
-  ring, valid for ``ring_depth - 1`` further steps (the ring's rule); with
-  ``copy=True`` they own their memory.
-- ``device="cuda"``: the whole segment is registered as pinned memory in place
-  (``cudaHostRegister``), so results reach the device by DMA, with no pageable
-  bounce. When the env returns ring views (the bridge wraps the ShmVectorEnv
-  itself, fixed-size spaces), one step's observations, rewards and done flags
-  are one contiguous span of the ring slot: it travels as **one** copy into one
-  device buffer, and the tensors are views of that buffer (the reward cast to
-  ``reward_dtype``). Small spans are copied on the current stream, which costs
-  the fewest calls per step (a copy of a few KiB is cheaper than any stream
-  bookkeeping); spans of at least ``side_stream_bytes`` go on a dedicated
-  stream that the current stream then waits on, so that a large copy can
-  overlap GPU work queued earlier. Either way one CUDA event per ring slot is
-  recorded, and before the workers may write a slot again the main process
-  waits for its event. Results that are not ring views (vector wrappers in
-  between, pickled spaces) are copied leaf by leaf the same way. Actions given
-  as CUDA tensors are copied device -> pinned action slab directly. The env is
-  switched to ``copy=False``: host copies would only add a pageable hop. The
-  segment is unregistered in ``close()``, before it can be unmapped.
-
-Workers never touch CUDA. A process that has initialized CUDA is not safe to
-fork, though (a child aborts on its first CUDA call, e.g. freeing an inherited
-tensor), so once CUDA is initialized shmvec starts workers from a forkserver
-unless ``context`` says otherwise (shmvec/start_method.py).
+``device="cpu"``: zero-copy views; ``device="cuda"``: one DMA copy per step from
+the segment registered as pinned memory, one CUDA event per ring slot before the
+workers may write it again (docs/guides/torch.md has the whole rule).
 
 Example:
     >>> import gymnasium as gym
