@@ -1,19 +1,11 @@
 """RayVectorEnv: shmvec beyond one machine, one node-local ShmVectorEnv per Ray actor.
 
-Data flow::
-
-    RayVectorEnv (driver) ── actions[block k] ──► actor k (any node of the cluster)
-                                                   ShmVectorEnv over envs first_k .. last_k
-                                                   (shared memory between its workers)
-                          ◄── (obs, rewards, terminations, truncations, infos) of block k
-                              numpy arrays through Ray's object store, never per-env pickles
-
-Each actor owns a contiguous block of envs and steps it as one batch; the driver
-concatenates the blocks in env order (``step``), or hands back the first actor
-batches that are ready (``recv``, async mode). Everything gymnasium defines (seeds,
-options, ``reset_mask``, autoreset modes, info merging with ``_key`` masks) is done by
-the actors' ShmVectorEnvs and by gymnasium's own ``VectorEnv._add_info`` here, so the
-results equal ``SyncVectorEnv``'s with the same seeds and actions.
+Each actor owns a contiguous block of envs and steps it as one batch, which
+travels as numpy arrays through Ray's object store; the driver concatenates the
+blocks in env order (``step``) or hands back the first actor batches that are
+ready (``recv``). Gymnasium's semantics are the actors' ShmVectorEnvs' and
+``VectorEnv._add_info``'s here, so the results equal ``SyncVectorEnv``'s
+(docs/guides/ray.md).
 
 Example:
     >>> import gymnasium as gym
@@ -26,10 +18,7 @@ Example:
     (8, 4)
     >>> envs.close()  # doctest: +SKIP
 
-Results are always fresh, writable arrays: each actor's batch arrives read-only
-(large ones are zero-copy views of the object store) and is concatenated into new
-arrays, one copy, as ``copy=True`` in gymnasium.
-
+Results are fresh, writable arrays (one copy, as ``copy=True`` in gymnasium).
 Methods of ``RayVectorEnv`` may be called from one thread at a time (the driver's).
 """
 
