@@ -207,14 +207,10 @@ class PlacedEnv(WaitingEnv):
             self.child.wait()
 
 
-def step_until_threaded(envs, rounds: int = 64) -> dict:
-    actions = np.zeros(envs.num_envs, dtype=np.int64)
-    for _ in range(rounds):
-        envs.step(actions)
-        if envs.stats()["worker_env_threads"] == [2, 2]:
-            break
+def step_in_threads(envs) -> dict:
+    """One step of envs whose two workers step two envs at once; its infos."""
     assert envs.stats()["worker_env_threads"] == [2, 2]
-    return envs.step(actions)[4]
+    return envs.step(np.zeros(envs.num_envs, dtype=np.int64))[4]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
@@ -224,7 +220,7 @@ def test_each_workers_env_threads_share_one_cpu():
                         env_concurrency=2)  # fmt: skip
     try:
         envs.reset(seed=0)
-        infos = step_until_threaded(envs)
+        infos = step_in_threads(envs)
         assert infos["cpus"].tolist() == [1, 1, 1, 1]
         # worker k (envs 2k, 2k+1): the k-th CPU the process may use
         assert infos["first_cpu"].tolist() == [everywhere[0]] * 2 + [everywhere[1]] * 2
@@ -241,7 +237,7 @@ def test_a_worker_whose_envs_start_processes_runs_them_everywhere(monkeypatch):
                         env_concurrency=2, context="fork")  # fmt: skip
     try:
         envs.reset(seed=0)
-        assert step_until_threaded(envs)["cpus"].tolist() == [1, 1, 1, 1]
+        assert step_in_threads(envs)["cpus"].tolist() == [1, 1, 1, 1]
         # Worker 0's envs start sandboxes from their placed threads: the
         # children start on the one CPU, and the next round's check frees them
         # and the threads. Worker 1's envs start none: its threads stay placed.
