@@ -48,10 +48,8 @@ PAGE = 4096
 LEASE_REGIONS = 4
 #: ... within this many bytes of the segment (pages are taken only once used),
 LEASE_BYTES = 256 << 20
-#: ... for batches of this many bytes of observations or more. Below, a copy
-#: costs less than making the arrays over a region (2-core VM, warm caches:
-#: a lease ~1.5 us; a copy 0.5 us at 16 KiB, 1.1 at 64, 3.2 at 256; more when
-#: the workers' cores just wrote the data).
+#: ... for batches of this many bytes of observations or more: below, a copy
+#: costs less than a lease (docs/design/lent-observations.md).
 LEASE_MIN_BYTES = 64 << 10
 
 
