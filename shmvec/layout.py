@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from gymnasium import spaces
-from gymnasium.vector.utils import concatenate, create_empty_array, iterate
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from shmvec import _core
 from shmvec.infos import INFO_COLUMNS
@@ -299,19 +299,13 @@ class PickledCodec(Codec):
         return concatenate(self.space, values, create_empty_array(self.space, n))
 
     def write_batch(self, values, value):
-        items = list(iterate(_batched(self.space, len(values)), value))
+        items = list(iterate(batch_space(self.space, len(values)), value))
         if len(items) != len(values):
             raise ValueError(f"expected {len(values)} actions, got {len(items)}")
         values[:] = items
 
     def read(self, values, row):
         return values[row]
-
-
-def _batched(space: spaces.Space, n: int) -> spaces.Space:
-    from gymnasium.vector.utils import batch_space
-
-    return batch_space(space, n)
 
 
 def is_fixed_size(space: spaces.Space) -> bool:

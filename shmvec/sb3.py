@@ -281,7 +281,6 @@ class ShmSB3VecEnv(VecEnv):
             self._calls: Any = cast(Any, calls)  # duck-typed: call, set_attr
             self._closed = False
             self._actions: Any = None
-            self._waiting = False
             self._has_ops = bool(all(self._calls.call("has_wrapper_attr", OPS_ATTR)))
             super().__init__(
                 shm_env.num_envs, shm_env.single_observation_space, shm_env.single_action_space
@@ -337,7 +336,6 @@ class ShmSB3VecEnv(VecEnv):
             self.shm_env.step_async(actions)
         else:  # a gymnasium vector wrapper: step in step_wait
             self._actions = actions
-        self._waiting = True
 
     def step_wait(self) -> VecEnvStepReturn:
         """``(obs, rewards, dones, infos)`` in SB3's conventions (see the module doc)."""
@@ -346,7 +344,6 @@ class ShmSB3VecEnv(VecEnv):
         else:
             actions, self._actions = self._actions, None
             obs, rewards, terminations, truncations, infos = self.shm_env.step(actions)
-        self._waiting = False
         terminations = np.asarray(terminations, dtype=bool)
         truncations = np.asarray(truncations, dtype=bool)
         dones = terminations | truncations
