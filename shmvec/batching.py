@@ -23,6 +23,8 @@ from gymnasium.vector.vector_env import VectorEnv
 Seeds = int | list[int | None] | None
 #: What ``reset`` takes as ``options``: one dict for all envs, one per env or group, or None.
 Options = dict[str, Any] | list[dict[str, Any] | None] | None
+#: The spaces whose batch is one array (one column of shared memory).
+ARRAY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
 
 def split_blocks(num_envs: int, num_parts: int) -> list[range]:

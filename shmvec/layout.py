@@ -29,6 +29,7 @@ from gymnasium import spaces
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from shmvec import _core
+from shmvec.batching import ARRAY_SPACES
 from shmvec.infos import INFO_COLUMNS
 from shmvec.protocol import (
     LINE_BUSY_NS,
@@ -310,9 +311,7 @@ class PickledCodec(Codec):
 
 def is_fixed_size(space: spaces.Space) -> bool:
     """True when every leaf of ``space`` can live in a column."""
-    if isinstance(space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete)):
-        return True
-    if isinstance(space, (spaces.MultiBinary, spaces.Text)):
+    if isinstance(space, (*ARRAY_SPACES, spaces.Text)):
         return True
     if isinstance(space, spaces.Dict):
         return all(is_fixed_size(s) for s in space.spaces.values())
@@ -460,24 +459,21 @@ class SegmentLayout:
         its last finished generation, when it began its current env, how many
         of its envs it steps at once.
         """
-        return self._worker_u32(buffer, LINE_MESSAGE)
+        return self._line_words(buffer, np.uint32, LINE_MESSAGE)
 
     def worker_env_threads(self, buffer) -> np.ndarray:
         """uint32 per worker: how many of its envs it steps at once (1: serially)."""
-        return self._worker_u32(buffer, LINE_ENV_THREADS)
+        return self._line_words(buffer, np.uint32, LINE_ENV_THREADS)
 
     def worker_current_env(self, buffer) -> np.ndarray:
         """uint32 per worker: 1 + the env it is stepping, 0 between envs."""
-        return self._worker_u32(buffer, LINE_CURRENT_ENV)
+        return self._line_words(buffer, np.uint32, LINE_CURRENT_ENV)
 
     def worker_finished_generation(self, buffer) -> np.ndarray:
         """uint32 per worker: the last barrier generation it finished."""
-        return self._worker_u32(buffer, LINE_FINISHED)
+        return self._line_words(buffer, np.uint32, LINE_FINISHED)
 
-    def _worker_u32(self, buffer, column: int) -> np.ndarray:
-        return self._worker_line_words(buffer, np.uint32, column)
-
-    def _worker_line_words(self, buffer, dtype, column: int) -> np.ndarray:
+    def _line_words(self, buffer, dtype, column: int) -> np.ndarray:
         """Word ``column`` of each worker's line, viewed as ``dtype``."""
         itemsize = np.dtype(dtype).itemsize
         lines = (self.num_workers, CACHE_LINE // itemsize)
@@ -486,15 +482,12 @@ class SegmentLayout:
 
     def worker_busy_ns(self, buffer) -> np.ndarray:
         """uint64 per worker: nanoseconds it spent serving commands (its own line)."""
-        return self._worker_u64(buffer, LINE_BUSY_NS)
+        return self._line_words(buffer, np.uint64, LINE_BUSY_NS)
 
     def worker_env_started_ns(self, buffer) -> np.ndarray:
         """uint64 per worker (async mode): CLOCK_MONOTONIC ns when it began its
         current env (``env_timeout``)."""
-        return self._worker_u64(buffer, LINE_ENV_STARTED_NS)
-
-    def _worker_u64(self, buffer, column: int) -> np.ndarray:
-        return self._worker_line_words(buffer, np.uint64, column)
+        return self._line_words(buffer, np.uint64, LINE_ENV_STARTED_NS)
 
     def env_commands(self, buffer) -> np.ndarray:
         """uint8 per env (async mode): what the env's worker must do next."""

@@ -37,7 +37,7 @@ from stable_baselines3.common.vec_env.base_vec_env import (
     VecEnvStepReturn,
 )
 
-from shmvec.batching import unbatch_infos
+from shmvec.batching import ARRAY_SPACES, unbatch_infos
 from shmvec.vector_env import ShmVectorEnv
 
 __all__ = ["ActionCountError", "ShmSB3VecEnv", "batch_actions", "sb3_env_fns", "unbatch_infos"]
@@ -120,9 +120,6 @@ def sb3_env_fns(env_fns: Sequence[Callable[[], gym.Env]]) -> list[Callable[[], g
 
 # ------------------------------------------------------------- action batches
 
-#: The spaces whose batch is one array (one column of shared memory).
-_ARRAY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
-
 
 class ActionCountError(IndexError, ValueError):
     """A batch of actions that does not hold one action per env.
@@ -203,7 +200,7 @@ def _stack_actions(space: spaces.Space, items: Any, path: str) -> Any:
             _stack_actions(sub, [item[j] for item in items], f"{path}[{j}]")
             for j, sub in enumerate(space.spaces)
         )
-    if not isinstance(space, _ARRAY_SPACES):
+    if not isinstance(space, ARRAY_SPACES):
         return list(items)  # Text, Graph, ...: the ShmVectorEnv sends them pickled
     if type(items) is np.ndarray and items.dtype == space.dtype:
         return items
