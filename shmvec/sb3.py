@@ -79,8 +79,6 @@ class _EnvOps:
             return None
         if op == "is_wrapped":
             return _is_wrapped(env, args[0])
-        if op == "index":
-            return self.index
         raise ValueError(f"unknown operation {op!r}")
 
 
