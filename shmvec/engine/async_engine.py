@@ -157,7 +157,7 @@ class AsyncEngine:
         while True:
             try:
                 self._check_workers_now_and_then()
-                self.wire.serve_main_worker()
+                self.pool.run_main_worker()
                 self._wait_slot(slot, timeout)
                 self._row_messages(slot, views, messages)
                 break

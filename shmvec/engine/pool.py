@@ -254,10 +254,10 @@ class WorkerPool:
         """CPU time (user + system, all threads) of each worker's process so far."""
         return [_cpu_seconds(process.pid) for process in self.workers]
 
-    def run_main_worker(self, async_mode: bool) -> None:
+    def run_main_worker(self) -> None:
         """With ``step_in_main``: does worker 0's share of what was just asked."""
         if self.main_worker is not None:
-            self.main_worker.poll(async_mode)
+            self.main_worker.poll()
 
     # -------------------------------------------------------------- shutdown
 

@@ -38,9 +38,6 @@ class Wire(Protocol):
     def send_reset(self, index: int, payload: Any) -> None:
         """Sends worker ``index`` a reset and keeps it for a replacement."""
 
-    def serve_main_worker(self) -> None:
-        """With ``step_in_main``: does worker 0's share of what was asked."""
-
     def stuck_workers(self, round_started: float, env_timeout: float) -> list[int]:
         """The workers past ``env_timeout`` (the round posted at
         ``round_started``, by ``time.monotonic()``, or the env they began)."""
