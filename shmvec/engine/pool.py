@@ -46,10 +46,9 @@ class WorkerPool:
             are filled in per worker).
         env_fns: every env's callable.
         blocks: the env ids of each worker.
-        options: the start method, daemon, ``step_in_main`` (worker 0 runs in
-            this process), ``in_process`` (no worker process at all: the
-            segment needs no fd) and ``restart_on_death`` (a send to a dead
-            worker is left to the wait that restarts it).
+        options: how the workers start (``EngineOptions``); with
+            ``restart_on_death`` a send to a dead worker is left to the wait
+            that restarts it.
     """
 
     def __init__(
