@@ -11,6 +11,7 @@ Who may call what: everything from the main process's one thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -217,12 +218,10 @@ class WorkerPool:
     def drain(self, index: int) -> None:
         """Reads what worker ``index`` has sent, without waiting, into its stashes."""
         pipe = self.pipes[index]
-        try:
+        with contextlib.suppress(EOFError, OSError):
             while pipe.poll(0):
                 message = pickle.loads(pipe.recv_bytes())
                 self.stashed[index]["row" in message].append(message)
-        except (EOFError, OSError):
-            pass
 
     # -------------------------------------------------------------- liveness
 
