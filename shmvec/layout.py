@@ -452,13 +452,8 @@ class SegmentLayout:
         return offsets[0], offsets[-1] + self.rows * spec.dtype.itemsize * math.prod(spec.shape)
 
     def worker_words(self, buffer) -> np.ndarray:
-        """uint32 per worker, 1 when a pickled message follows its round.
-
-        Each worker's cache line holds the words of shmvec/protocol.py's
-        ``LINE_*`` indices: this flag, the env it is stepping, busy nanoseconds,
-        its last finished generation, when it began its current env, how many
-        of its envs it steps at once.
-        """
+        """uint32 per worker, 1 when a pickled message follows its round (the
+        first of its cache line's words: shmvec/protocol.py, ``LINE_*``)."""
         return self._line_words(buffer, np.uint32, LINE_MESSAGE)
 
     def worker_env_threads(self, buffer) -> np.ndarray:
