@@ -118,10 +118,5 @@ def merge_infos(
     for k, block in parts:
         first = blocks[k].start if by_env else offset
         offset += len(blocks[k])
-        items += [(first + row, [info]) for row, [info] in _items(block)]
+        items += [(first + row, [unbatch_info(block, row)]) for row in rows_with_info(block)]
     return batch_infos(items, rows)
-
-
-def _items(infos: dict) -> list[tuple[int, list[dict]]]:
-    """A batched info dict as per-row dicts ``[(row, [info])]`` for ``batch_infos``."""
-    return [(row, [unbatch_info(infos, row)]) for row in rows_with_info(infos)]
