@@ -18,12 +18,9 @@
 // Who may call what: post() and wait_done() only the main process, one
 // thread at a time; wait_command() and arrive() each worker, once a round.
 //
-// Waiting = a bounded spin, then futex sleep. Why bounded and tunable: on a
-// 2-vCPU x86-64 VM a futex sleep/wake round trip costs ~55 us and
-// a spin round trip ~0.5 us, but a spinner that shares a core with a busy
-// peer steals the very time it waits for. The caller picks spin_ns: >= 0 a
-// fixed spin, < 0 the adaptive budget of this object's waiter, capped at
-// -spin_ns (csrc/wait_policy.h; shmvec/spin.py chooses the caps).
+// Waiting: a bounded spin, then a futex sleep (why: docs/design/waiting.md).
+// spin_ns >= 0 is a fixed spin, < 0 the adaptive budget of this object's
+// waiter capped at -spin_ns (csrc/wait_policy.h; shmvec/spin.py picks caps).
 #pragma once
 
 #include <sched.h>

@@ -40,26 +40,6 @@ void check_wait(WaitStatus status) {
   }
 }
 
-// StepBarrier that keeps a reference to the Python Segment owning its words.
-struct PyBarrier {
-  PyBarrier(py::object segment_obj, size_t offset, uint32_t num_workers)
-      : segment(std::move(segment_obj)),
-        barrier(reinterpret_cast<BarrierWords*>(
-                    checked_words(segment.cast<Segment&>(), offset)),
-                num_workers) {}
-
-  static uint8_t* checked_words(Segment& seg, size_t offset) {
-    if (offset % alignof(BarrierWords) != 0 ||
-        offset + sizeof(BarrierWords) > seg.size()) {
-      throw py::value_error("barrier offset out of the segment or misaligned");
-    }
-    return seg.data() + offset;
-  }
-
-  py::object segment;
-  StepBarrier barrier;
-};
-
 // Words of `size` bytes at `offset` inside the segment, checked.
 uint8_t* words_at(Segment& seg, size_t offset, size_t size) {
   if (offset % 64 != 0 || offset + size > seg.size()) {
@@ -67,6 +47,17 @@ uint8_t* words_at(Segment& seg, size_t offset, size_t size) {
   }
   return seg.data() + offset;
 }
+
+// StepBarrier that keeps a reference to the Python Segment owning its words.
+struct PyBarrier {
+  PyBarrier(py::object segment_obj, size_t offset, uint32_t num_workers)
+      : segment(std::move(segment_obj)),
+        barrier(reinterpret_cast<BarrierWords*>(
+                    words_at(segment.cast<Segment&>(), offset, sizeof(BarrierWords))),
+                num_workers) {}
+  py::object segment;
+  StepBarrier barrier;
+};
 
 struct PyRing {
   PyRing(py::object segment_obj, size_t offset, uint32_t num_slots, uint32_t batch_size)
@@ -129,10 +120,6 @@ from it; `close_fd()` only drops the fd.
         return py::buffer_info(s.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {s.size()}, {1});
       });
-
-  py::enum_<WaitStatus>(m, "WaitStatus")
-      .value("READY", WaitStatus::kReady)
-      .value("TIMED_OUT", WaitStatus::kTimedOut);
 
   py::class_<PyBarrier>(m, "StepBarrier", R"doc(
 One command at a time from the main process to `num_workers` workers; see

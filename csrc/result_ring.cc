@@ -7,14 +7,9 @@
 namespace shmvec {
 
 RowRef ResultRing::claim() noexcept {
-  // acq_rel, not relaxed: a row is reused one lap later, and the claim that
-  // reaches it may come from a worker that has heard nothing from main since
-  // main read the row's previous contents. What orders those reads (and the
-  // previous writer's writes) before this claimer's writes is the chain of
-  // claims: some earlier claimer received an action that main sent after it
-  // released the slot, and acq_rel carries that along `claimed`. With relaxed,
-  // ThreadSanitizer reports the reuse as a data race (csrc/tests/core_test.cc,
-  // ring scenario). Free on x86 (the same lock xadd).
+  // acq_rel, not relaxed: the chain of claims orders main's reads of a row
+  // before the writes of the worker that reuses it one lap later
+  // (docs/design/protocol.md; TSan checks it in csrc/tests/core_test.cc).
   uint64_t n = header_->claimed.fetch_add(1, std::memory_order_acq_rel);
   return RowRef{uint32_t((n / batch_size_) % num_slots_), uint32_t(n % batch_size_)};
 }

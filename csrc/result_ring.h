@@ -12,12 +12,8 @@
 //   main:    wait_full(slot) returns once the slot's batch_size rows are
 //            published; reads them; release(slot) hands the slot back
 //
-// Why the ring never overruns: main sends an env its next action only after
-// it received the env's previous result, so at most num_envs rows are claimed
-// and not yet consumed, plus the batch_size rows of the slot main holds (it
-// releases a slot only when it asks for the next one). With
-// num_slots * batch_size >= num_envs + batch_size a claim can never reach a
-// slot that main has not released.
+// The ring never overruns while num_slots * batch_size >= num_envs +
+// batch_size (why: docs/design/protocol.md, "The result ring").
 //
 // Who may call what: claim/publish any worker, concurrently; wait_full,
 // release and filled the main process; ring the main process; wait the

@@ -17,11 +17,7 @@
 //   - slept through a gap longer than the cap: shrink (halve), and drop to 0
 //     after a timeout or a gap far beyond the cap (the vector env is idle,
 //     the user is doing something else): an idle waiter burns no core.
-// Why spin at all: on x86-64 VMs a futex sleep/wake round trip
-// costs ~55 us on an idle host and several times that when the woken vCPU
-// had halted (measured on a 16-vCPU VM,
-// docs/design/heuristics.md: `spin_ns=200_000` lifted cpu100us x64
-// from 72k to 109k steps/s); a spin round trip costs ~0.5 us.
+// Why spin at all, and the measurements: docs/design/waiting.md.
 #pragma once
 
 #include <algorithm>

@@ -5,7 +5,6 @@ is the core's encoding of a spin: >= 0 fixed, < 0 adaptive up to ``-spin_ns``
 (``shmvec.spin.Spin.core_ns``). Every wait releases the GIL.
 """
 
-from enum import Enum
 from typing import ClassVar, Literal
 
 class Segment:
@@ -27,10 +26,6 @@ class Segment:
     def creator_pid(self) -> int: ...
     def close_fd(self) -> None: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
-
-class WaitStatus(Enum):
-    READY = ...
-    TIMED_OUT = ...
 
 class StepBarrier:
     """One command at a time from the main process to ``num_workers`` workers."""

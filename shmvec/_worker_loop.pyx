@@ -21,15 +21,10 @@ from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from traceback import format_exc as _format_exc
 
-from numpy import empty as _empty
-from numpy import ndarray as _ndarray
-from numpy import zeros as _zeros
-from numpy import shape as _shape
+from numpy import empty as _empty, ndarray as _ndarray, shape as _shape, zeros as _zeros
 
-from shmvec.infos import CELL_KINDS as _CELL_KINDS
-from shmvec.infos import CODES as _CODES
-from shmvec.infos import INFO_COLUMNS
 from shmvec import protocol
+from shmvec.infos import CELL_KINDS as _CELL_KINDS, CODES as _CODES, INFO_COLUMNS
 from shmvec.protocol import (
     BY_VALUE_BIT, ENV_IDLE, ENV_RESET, REGION_MASK, REGION_SHIFT, SLOT_MASK, STEP,
 )

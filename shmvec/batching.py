@@ -23,6 +23,8 @@ from gymnasium.vector.vector_env import VectorEnv
 Seeds = int | list[int | None] | None
 #: What ``reset`` takes as ``options``: one dict for all envs, one per env or group, or None.
 Options = dict[str, Any] | list[dict[str, Any] | None] | None
+#: The spaces whose batch is one array (one column of shared memory).
+ARRAY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
 
 def split_blocks(num_envs: int, num_parts: int) -> list[range]:
@@ -229,20 +231,6 @@ def unbatch_infos(infos: dict[str, Any], num_envs: int) -> list[dict[str, Any]]:
     return out
 
 
-def recv_whole_batch(env: Any, reset_pending: bool, timeout: float | None) -> tuple:
-    """``recv()`` when ``batch_size == num_envs`` (ShmVectorEnv and RayVectorEnv):
-    the pending reset (``reset_pending``), as a step with zero rewards, or the
-    pending step; with ``infos["env_id"]``."""
-    if reset_pending:
-        obs, infos = env.reset_wait(timeout)
-        zeros = np.zeros(env.num_envs, dtype=bool)
-        result = obs, np.zeros(env.num_envs), zeros, zeros.copy(), infos
-    else:
-        result = env.step_wait(timeout)
-    result[4]["env_id"] = np.arange(env.num_envs)
-    return result
-
-
 #: What async mode uses instead of a sync-mode call.
 _ASYNC_INSTEAD = {
     "reset_async": "reset with async_reset()",
@@ -357,8 +345,15 @@ class VectorEnvBase(VectorEnv):
         self._assert_is_running()
         if self.is_async:
             return self._recv(timeout)
-        pending, self._sync_reset_pending = self._sync_reset_pending, False
-        return recv_whole_batch(self, pending, timeout)
+        if self._sync_reset_pending:
+            self._sync_reset_pending = False
+            obs, infos = self.reset_wait(timeout)
+            zeros = np.zeros(self.num_envs, dtype=bool)
+            result = obs, np.zeros(self.num_envs), zeros, zeros.copy(), infos
+        else:
+            result = self.step_wait(timeout)
+        result[4]["env_id"] = np.arange(self.num_envs)
+        return result
 
     # VectorEnv's own are one seed and one generator; AsyncVectorEnv's, as these,
     # one per env (read-only).

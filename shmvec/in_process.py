@@ -52,9 +52,8 @@ class InProcessWorker:
         self.worker = Worker(spec, segment, pipe, make_envs(spec))
         pipe.send_bytes(pickle.dumps({"ready": self.pid}))
 
-    def poll(self, async_mode: bool) -> None:
-        """Does whatever the main process has asked for and not had done yet
-        (``async_mode``: the worker's own wire knows)."""
+    def poll(self) -> None:
+        """Does whatever the main process has asked for and not had done yet."""
         if self.exitcode is None and not self.worker.wire.poll_now():
             self.exitcode = 0
 

@@ -26,9 +26,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 from gymnasium import spaces
-from gymnasium.vector.utils import concatenate, create_empty_array, iterate
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from shmvec import _core
+from shmvec.batching import ARRAY_SPACES
 from shmvec.infos import INFO_COLUMNS
 from shmvec.protocol import (
     LINE_BUSY_NS,
@@ -48,10 +49,8 @@ PAGE = 4096
 LEASE_REGIONS = 4
 #: ... within this many bytes of the segment (pages are taken only once used),
 LEASE_BYTES = 256 << 20
-#: ... for batches of this many bytes of observations or more. Below, a copy
-#: costs less than making the arrays over a region (2-core VM, warm caches:
-#: a lease ~1.5 us; a copy 0.5 us at 16 KiB, 1.1 at 64, 3.2 at 256; more when
-#: the workers' cores just wrote the data).
+#: ... for batches of this many bytes of observations or more: below, a copy
+#: costs less than a lease (docs/design/lent-observations.md).
 LEASE_MIN_BYTES = 64 << 10
 
 
@@ -301,7 +300,7 @@ class PickledCodec(Codec):
         return concatenate(self.space, values, create_empty_array(self.space, n))
 
     def write_batch(self, values, value):
-        items = list(iterate(_batched(self.space, len(values)), value))
+        items = list(iterate(batch_space(self.space, len(values)), value))
         if len(items) != len(values):
             raise ValueError(f"expected {len(values)} actions, got {len(items)}")
         values[:] = items
@@ -310,17 +309,9 @@ class PickledCodec(Codec):
         return values[row]
 
 
-def _batched(space: spaces.Space, n: int) -> spaces.Space:
-    from gymnasium.vector.utils import batch_space
-
-    return batch_space(space, n)
-
-
 def is_fixed_size(space: spaces.Space) -> bool:
     """True when every leaf of ``space`` can live in a column."""
-    if isinstance(space, (spaces.Box, spaces.Discrete, spaces.MultiDiscrete)):
-        return True
-    if isinstance(space, (spaces.MultiBinary, spaces.Text)):
+    if isinstance(space, (*ARRAY_SPACES, spaces.Text)):
         return True
     if isinstance(space, spaces.Dict):
         return all(is_fixed_size(s) for s in space.spaces.values())
@@ -461,31 +452,23 @@ class SegmentLayout:
         return offsets[0], offsets[-1] + self.rows * spec.dtype.itemsize * math.prod(spec.shape)
 
     def worker_words(self, buffer) -> np.ndarray:
-        """uint32 per worker, 1 when a pickled message follows its round.
-
-        Each worker's cache line holds the words of shmvec/protocol.py's
-        ``LINE_*`` indices: this flag, the env it is stepping, busy nanoseconds,
-        its last finished generation, when it began its current env, how many
-        of its envs it steps at once.
-        """
-        return self._worker_u32(buffer, LINE_MESSAGE)
+        """uint32 per worker, 1 when a pickled message follows its round (the
+        first of its cache line's words: shmvec/protocol.py, ``LINE_*``)."""
+        return self._line_words(buffer, np.uint32, LINE_MESSAGE)
 
     def worker_env_threads(self, buffer) -> np.ndarray:
         """uint32 per worker: how many of its envs it steps at once (1: serially)."""
-        return self._worker_u32(buffer, LINE_ENV_THREADS)
+        return self._line_words(buffer, np.uint32, LINE_ENV_THREADS)
 
     def worker_current_env(self, buffer) -> np.ndarray:
         """uint32 per worker: 1 + the env it is stepping, 0 between envs."""
-        return self._worker_u32(buffer, LINE_CURRENT_ENV)
+        return self._line_words(buffer, np.uint32, LINE_CURRENT_ENV)
 
     def worker_finished_generation(self, buffer) -> np.ndarray:
         """uint32 per worker: the last barrier generation it finished."""
-        return self._worker_u32(buffer, LINE_FINISHED)
+        return self._line_words(buffer, np.uint32, LINE_FINISHED)
 
-    def _worker_u32(self, buffer, column: int) -> np.ndarray:
-        return self._worker_line_words(buffer, np.uint32, column)
-
-    def _worker_line_words(self, buffer, dtype, column: int) -> np.ndarray:
+    def _line_words(self, buffer, dtype, column: int) -> np.ndarray:
         """Word ``column`` of each worker's line, viewed as ``dtype``."""
         itemsize = np.dtype(dtype).itemsize
         lines = (self.num_workers, CACHE_LINE // itemsize)
@@ -494,15 +477,12 @@ class SegmentLayout:
 
     def worker_busy_ns(self, buffer) -> np.ndarray:
         """uint64 per worker: nanoseconds it spent serving commands (its own line)."""
-        return self._worker_u64(buffer, LINE_BUSY_NS)
+        return self._line_words(buffer, np.uint64, LINE_BUSY_NS)
 
     def worker_env_started_ns(self, buffer) -> np.ndarray:
         """uint64 per worker (async mode): CLOCK_MONOTONIC ns when it began its
         current env (``env_timeout``)."""
-        return self._worker_u64(buffer, LINE_ENV_STARTED_NS)
-
-    def _worker_u64(self, buffer, column: int) -> np.ndarray:
-        return self._worker_line_words(buffer, np.uint64, column)
+        return self._line_words(buffer, np.uint64, LINE_ENV_STARTED_NS)
 
     def env_commands(self, buffer) -> np.ndarray:
         """uint8 per env (async mode): what the env's worker must do next."""

@@ -6,6 +6,7 @@ Methods may be called from one thread at a time (the driver's).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -315,14 +316,10 @@ class ActorGroup:
 
     def release(self) -> None:
         for actor in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # already gone, or Ray shut down
                 ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone, or Ray shut down
-                pass
         self.actors = []
         if self.placement_group is not None:
-            try:
+            with contextlib.suppress(Exception):
                 remove_placement_group(self.placement_group)
-            except Exception:  # noqa: BLE001
-                pass
             self.placement_group = None

@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from shmvec.batching import batch_infos, rows_with_info, unbatch_info
+from shmvec.batching import ARRAY_SPACES, batch_infos, rows_with_info, unbatch_info
 
 __all__ = ["actor_batches", "actor_env_fns", "concatenate_batches", "idle_actors", "merge_infos"]
 
@@ -87,9 +87,6 @@ def actor_env_fns(
     return env_fns
 
 
-_FIXED_SIZE = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
-
-
 def concatenate_batches(space: gym.Space, batches: list) -> Any:
     """One batch from consecutive batches of ``space``: gymnasium's ``concatenate``,
     for batches instead of single values (fresh arrays at fixed-size leaves, tuples
@@ -103,7 +100,7 @@ def concatenate_batches(space: gym.Space, batches: list) -> Any:
         return tuple(
             concatenate_batches(sub, [b[i] for b in batches]) for i, sub in enumerate(space.spaces)
         )
-    if isinstance(space, _FIXED_SIZE):
+    if isinstance(space, ARRAY_SPACES):
         return np.concatenate(batches)
     return tuple(value for batch in batches for value in batch)
 
@@ -121,10 +118,5 @@ def merge_infos(
     for k, block in parts:
         first = blocks[k].start if by_env else offset
         offset += len(blocks[k])
-        items += [(first + row, [info]) for row, [info] in _items(block)]
+        items += [(first + row, [unbatch_info(block, row)]) for row in rows_with_info(block)]
     return batch_infos(items, rows)
-
-
-def _items(infos: dict) -> list[tuple[int, list[dict]]]:
-    """A batched info dict as per-row dicts ``[(row, [info])]`` for ``batch_infos``."""
-    return [(row, [unbatch_info(infos, row)]) for row in rows_with_info(infos)]

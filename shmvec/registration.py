@@ -106,7 +106,7 @@ def make_mix(
                 f"make_mix: the count of {tag!r} must be a positive multiple of "
                 f"group_size={group_size}, got {count!r}"
             )
-        env_fn = _make_env_fn(kind) if isinstance(kind, str) else kind
+        env_fn = functools.partial(gym.make, kind) if isinstance(kind, str) else kind
         probe = env_fn()
         spaces = (probe.observation_space, probe.action_space)
         probe.close()
@@ -124,7 +124,3 @@ def make_mix(
     vec = ShmVectorEnv(env_fns, group_size=group_size, **vector_kwargs)
     vec.env_tags = tags
     return vec
-
-
-def _make_env_fn(env_id: str) -> Callable[[], gym.Env]:
-    return functools.partial(gym.make, env_id)

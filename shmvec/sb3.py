@@ -37,7 +37,7 @@ from stable_baselines3.common.vec_env.base_vec_env import (
     VecEnvStepReturn,
 )
 
-from shmvec.batching import unbatch_infos
+from shmvec.batching import ARRAY_SPACES, unbatch_infos
 from shmvec.vector_env import ShmVectorEnv
 
 __all__ = ["ActionCountError", "ShmSB3VecEnv", "batch_actions", "sb3_env_fns", "unbatch_infos"]
@@ -79,8 +79,6 @@ class _EnvOps:
             return None
         if op == "is_wrapped":
             return _is_wrapped(env, args[0])
-        if op == "index":
-            return self.index
         raise ValueError(f"unknown operation {op!r}")
 
 
@@ -119,9 +117,6 @@ def sb3_env_fns(env_fns: Sequence[Callable[[], gym.Env]]) -> list[Callable[[], g
 
 
 # ------------------------------------------------------------- action batches
-
-#: The spaces whose batch is one array (one column of shared memory).
-_ARRAY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
 
 
 class ActionCountError(IndexError, ValueError):
@@ -203,7 +198,7 @@ def _stack_actions(space: spaces.Space, items: Any, path: str) -> Any:
             _stack_actions(sub, [item[j] for item in items], f"{path}[{j}]")
             for j, sub in enumerate(space.spaces)
         )
-    if not isinstance(space, _ARRAY_SPACES):
+    if not isinstance(space, ARRAY_SPACES):
         return list(items)  # Text, Graph, ...: the ShmVectorEnv sends them pickled
     if type(items) is np.ndarray and items.dtype == space.dtype:
         return items
@@ -281,7 +276,6 @@ class ShmSB3VecEnv(VecEnv):
             self._calls: Any = cast(Any, calls)  # duck-typed: call, set_attr
             self._closed = False
             self._actions: Any = None
-            self._waiting = False
             self._has_ops = bool(all(self._calls.call("has_wrapper_attr", OPS_ATTR)))
             super().__init__(
                 shm_env.num_envs, shm_env.single_observation_space, shm_env.single_action_space
@@ -337,7 +331,6 @@ class ShmSB3VecEnv(VecEnv):
             self.shm_env.step_async(actions)
         else:  # a gymnasium vector wrapper: step in step_wait
             self._actions = actions
-        self._waiting = True
 
     def step_wait(self) -> VecEnvStepReturn:
         """``(obs, rewards, dones, infos)`` in SB3's conventions (see the module doc)."""
@@ -346,7 +339,6 @@ class ShmSB3VecEnv(VecEnv):
         else:
             actions, self._actions = self._actions, None
             obs, rewards, terminations, truncations, infos = self.shm_env.step(actions)
-        self._waiting = False
         terminations = np.asarray(terminations, dtype=bool)
         truncations = np.asarray(truncations, dtype=bool)
         dones = terminations | truncations

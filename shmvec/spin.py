@@ -1,11 +1,9 @@
 """How long a waiter spins before it sleeps on its futex.
 
-Each waiter learns its spin from the gaps it sees (csrc/wait_policy.h: grow
-after a sleep that a longer spin would have avoided, drift down after waits
-caught by the spin, drop to 0 when idle); this module only chooses each
-waiter's ``Spin`` (its cap, and whether it adapts) from the core count and the
-waiter's role. ``Spin.core_ns`` is the one place that turns a ``Spin`` into
-the core's integer argument.
+Each waiter learns its spin from the gaps it sees (csrc/wait_policy.h); this
+module only chooses each waiter's ``Spin`` (its cap, and whether it adapts)
+from the core count and the waiter's role. ``Spin.core_ns`` is the one place
+that turns a ``Spin`` into the core's integer argument.
 
 The rule: when every process has a core of its own (or only main is over, on
 ``MANY_CORES``+ cores), main and workers spin adaptively up to ``SPIN_CAP_NS``

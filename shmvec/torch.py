@@ -32,9 +32,7 @@ from gymnasium.vector import VectorWrapper
 from shmvec.vector_env import ShmVectorEnv
 
 #: Spans from this size on are copied on the bridge's own stream, so that they can
-#: overlap GPU work queued before them: at pinned host-to-device bandwidth (55 GB/s
-#: on an H100) 1 MiB takes ~20 us, a few times the ~10 us the side stream's extra
-#: calls cost per step. The threshold itself has no A/B (docs/performance.md).
+#: overlap GPU work queued before them (docs/guides/torch.md; no A/B sets the size).
 SIDE_STREAM_BYTES = 1 << 20
 
 

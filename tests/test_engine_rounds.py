@@ -71,7 +71,7 @@ class PoolStandIn:
     def recv(self, index: int, timeout: float | None, row: bool = False) -> dict:
         return self.replies[index].pop(0)
 
-    def run_main_worker(self, async_mode: bool) -> None:
+    def run_main_worker(self) -> None:
         pass
 
     def check_all_alive(self) -> None:

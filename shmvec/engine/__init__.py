@@ -64,9 +64,8 @@ def build_engine(
     pool = WorkerPool(spec, env_fns, blocks, options)
     try:
         pool.open()
-        leases = None
-        if pool.layout.region_offsets:
-            leases = ObsLeases(pool.segment, pool.layout, obs_codec)
+        regions = pool.layout.region_offsets
+        leases = ObsLeases(pool.segment, pool.layout, obs_codec) if regions else None
         decoder = ResultDecoder(obs_codec, pool.slots, blocks, options.copy, leases)
         async_wire = None
         wire: Wire

@@ -157,7 +157,7 @@ class AsyncEngine:
         while True:
             try:
                 self._check_workers_now_and_then()
-                self.wire.serve_main_worker()
+                self.pool.run_main_worker()
                 self._wait_slot(slot, timeout)
                 self._row_messages(slot, views, messages)
                 break
@@ -184,7 +184,7 @@ class AsyncEngine:
         infos["env_id"] = env_ids
         self.turns += 1
         if self.decides_handoff and self.turns % HANDOFF_SAMPLE == 0:
-            self.turn_started = (time.perf_counter(), _thread_usage())
+            self.turn_started = (time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD))
         return (obs, *decoder.outcomes(slot), infos)
 
     def _worker_rows(self, env_ids: np.ndarray) -> list[np.ndarray]:
@@ -198,7 +198,7 @@ class AsyncEngine:
             return
         wall, before = self.turn_started
         self.turn_started = None
-        now = _thread_usage()
+        now = resource.getrusage(resource.RUSAGE_THREAD)
         cpu_s = now.ru_utime + now.ru_stime - before.ru_utime - before.ru_stime
         handoff = now.ru_nvcsw > before.ru_nvcsw and cpu_s < HANDOFF_MAX_CPU_SHARE * (
             time.perf_counter() - wall
@@ -256,8 +256,3 @@ class AsyncEngine:
                 )
             self.decoder.learn_columns(index, message)
             messages[row] = message
-
-
-def _thread_usage():
-    """The calling thread's CPU times and context switches (``getrusage``)."""
-    return resource.getrusage(resource.RUSAGE_THREAD)

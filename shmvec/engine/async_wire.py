@@ -121,9 +121,6 @@ class AsyncWire:
         self.resets.update(payload)
         self.pool.send(index, "reset", payload)
 
-    def serve_main_worker(self) -> None:
-        self.pool.run_main_worker(True)
-
     def stuck_workers(self, round_started: float, env_timeout: float) -> list[int]:
         """The workers in an env they began more than ``env_timeout`` ago."""
         pool = self.pool
@@ -157,7 +154,7 @@ class AsyncWire:
         that none blocks on a full one."""
         pool = self.pool
         while True:
-            pool.run_main_worker(True)
+            pool.run_main_worker()
             busy = [
                 index
                 for index, rows in enumerate(pool.blocks)

@@ -11,6 +11,7 @@ Who may call what: everything from the main process's one thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -46,10 +47,9 @@ class WorkerPool:
             are filled in per worker).
         env_fns: every env's callable.
         blocks: the env ids of each worker.
-        options: the start method, daemon, ``step_in_main`` (worker 0 runs in
-            this process), ``in_process`` (no worker process at all: the
-            segment needs no fd) and ``restart_on_death`` (a send to a dead
-            worker is left to the wait that restarts it).
+        options: how the workers start (``EngineOptions``); with
+            ``restart_on_death`` a send to a dead worker is left to the wait
+            that restarts it.
     """
 
     def __init__(
@@ -218,12 +218,10 @@ class WorkerPool:
     def drain(self, index: int) -> None:
         """Reads what worker ``index`` has sent, without waiting, into its stashes."""
         pipe = self.pipes[index]
-        try:
+        with contextlib.suppress(EOFError, OSError):
             while pipe.poll(0):
                 message = pickle.loads(pipe.recv_bytes())
                 self.stashed[index]["row" in message].append(message)
-        except (EOFError, OSError):
-            pass
 
     # -------------------------------------------------------------- liveness
 
@@ -254,10 +252,10 @@ class WorkerPool:
         """CPU time (user + system, all threads) of each worker's process so far."""
         return [_cpu_seconds(process.pid) for process in self.workers]
 
-    def run_main_worker(self, async_mode: bool) -> None:
+    def run_main_worker(self) -> None:
         """With ``step_in_main``: does worker 0's share of what was just asked."""
         if self.main_worker is not None:
-            self.main_worker.poll(async_mode)
+            self.main_worker.poll()
 
     # -------------------------------------------------------------- shutdown
 

@@ -72,7 +72,7 @@ class RoundDriver:
         self.unfinished = False  # the last round's wait timed out
         self.recovered: dict[int, dict] = {}  # messages of replacement workers
         self.reset_mask: np.ndarray | None = None  # the last reset's mask
-        self.before_slot_reuse: Callable[[int], None] = _nothing
+        self.before_slot_reuse: Callable[[int], None] = lambda slot: None  # nothing to wait for
 
     def next_slot(self) -> int:
         """The slot the next round fills, once ``before_slot_reuse`` allowed it."""
@@ -142,7 +142,7 @@ class RoundDriver:
         barrier.post(STEP, arg)
         self.wire_posted(STEP, arg)
         if self.main_worker is not None:
-            self.wire.serve_main_worker()
+            self.pool.run_main_worker()
         waited = time.perf_counter()
         done = barrier.wait_done(self.main_spin_ns, LIVENESS_CHECK_NS)
         self.stats.wait_s += time.perf_counter() - waited
@@ -196,7 +196,7 @@ class RoundDriver:
         barrier's count (the dead worker may or may not have arrived).
         """
         supervisor = self.supervisor
-        self.wire.serve_main_worker()
+        self.pool.run_main_worker()
         deadline = None if timeout is None else time.monotonic() + timeout
         if supervisor.env_timeout is None:  # the common case first: one wait, no checks
             budget = LIVENESS_CHECK_S if timeout is None else min(timeout, LIVENESS_CHECK_S)
@@ -268,7 +268,3 @@ class RoundDriver:
                 return False
             time.sleep(0.0002)  # a round with a restart: no need for a futex
         return True
-
-
-def _nothing(slot: int) -> None:
-    """The default ``before_slot_reuse``: nothing to wait for."""

@@ -46,9 +46,6 @@ class SyncWire:
         self.resets[index] = payload
         self.pool.send(index, "reset", payload)
 
-    def serve_main_worker(self) -> None:
-        self.pool.run_main_worker(False)
-
     def stuck_workers(self, round_started: float, env_timeout: float) -> list[int]:
         """The workers that have not finished a round posted ``env_timeout`` ago."""
         if time.monotonic() - round_started < env_timeout:

@@ -1,17 +1,10 @@
 """Wire: what the rest of the engine asks of a wire protocol.
 
 A wire protocol is how commands reach the workers and results come back, and
-what a dead worker's replacement must restore. There are two:
-
-- ``sync_wire.SyncWire`` (``batch_size == num_envs``): barrier rounds carry
-  every command; a replacement redoes its part of the round being finished.
-- ``async_wire.AsyncWire`` (``batch_size < num_envs``): env commands, doorbells
-  and the result ring carry steps and resets; barrier rounds carry the rest
-  (``call``, ``set_attr``, ``close``). A replacement delivers one result for
-  each of its envs still running.
-
-``RoundDriver`` and ``Supervisor`` see only this protocol; each wire owns the
-state its recovery restores.
+what a dead worker's replacement must restore: ``sync_wire.SyncWire``
+(``batch_size == num_envs``) or ``async_wire.AsyncWire`` (``batch_size <
+num_envs``), each described in its module. ``RoundDriver`` and ``Supervisor``
+see only this protocol; each wire owns the state its recovery restores.
 
 Who may call what: the main process's one thread.
 """
@@ -38,18 +31,13 @@ class Wire(Protocol):
     def send_reset(self, index: int, payload: Any) -> None:
         """Sends worker ``index`` a reset and keeps it for a replacement."""
 
-    def serve_main_worker(self) -> None:
-        """With ``step_in_main``: does worker 0's share of what was asked."""
-
     def stuck_workers(self, round_started: float, env_timeout: float) -> list[int]:
         """The workers past ``env_timeout`` (the round posted at
         ``round_started``, by ``time.monotonic()``, or the env they began)."""
-        ...
 
     def recovery(self, dead: int, read: Set[Row]) -> tuple:
         """``WorkerSpec.recover`` for the replacement of worker ``dead``: what
         it must deliver first. ``read``: the rows whose messages main has."""
-        ...
 
     def resend(self, index: int) -> None:
         """Sends worker ``index``'s replacement what it waits for before it is ready."""
