@@ -7,38 +7,26 @@ no process runs and nothing depends on the scheduler.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 import pytest
 from gymnasium import spaces
+from helpers import open_pool
 
-from shmvec.batching import split_blocks
 from shmvec.engine.async_wire import AsyncWire
 from shmvec.engine.decoder import ResultDecoder
-from shmvec.engine.options import EngineOptions
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.sync_wire import SyncWire
 from shmvec.layout import make_codec
 from shmvec.protocol import CALL, ENV_IDLE, ENV_RESET, ENV_STEP, RESET, SET_ATTR, STEP
-from shmvec.worker import WorkerSpec
 
 OBS_SPACE = spaces.Box(-1.0, 1.0, (3,), np.float32)
 
 
 def _pool(num_envs: int, num_workers: int, batch_size: int, num_slots: int = 2) -> WorkerPool:
     """A pool with its segment open and no worker started."""
-    spec = WorkerSpec(
-        index=0, first_env=0, env_fns=[], num_envs=num_envs, num_workers=num_workers,
-        num_slots=num_slots, batch_size=batch_size, observation_space=OBS_SPACE,
-        action_space=spaces.Discrete(2), observation_mode="same", shared_memory=True,
-        autoreset_mode=0, spin_ns=0, main_pid=os.getpid(), use_death_signal=False,
-    )  # fmt: skip
-    blocks = split_blocks(num_envs, num_workers)
-    pool = WorkerPool(spec, [None] * num_envs, blocks, EngineOptions(in_process=True))
-    pool.open()
-    return pool
+    return open_pool(num_envs, num_workers, batch_size, OBS_SPACE, num_slots)
 
 
 def _async_wire(num_envs: int = 4, num_workers: int = 2, batch_size: int = 2) -> AsyncWire:

@@ -7,18 +7,15 @@ test sets, not an event it waits for.
 from __future__ import annotations
 
 import multiprocessing
-import os
 
 import pytest
 from gymnasium import spaces
+from helpers import open_pool
 
-from shmvec.batching import split_blocks
-from shmvec.engine.options import EngineOptions
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
 from shmvec.engine.supervisor import Supervisor
 from shmvec.errors import WorkerDiedError
-from shmvec.worker import WorkerSpec
 
 
 class ProcessStandIn:
@@ -64,15 +61,7 @@ class DecoderStandIn:
 
 def _pool(num_envs: int = 6, num_workers: int = 3) -> WorkerPool:
     """A pool with its segment open and stand-ins for its worker processes."""
-    spec = WorkerSpec(
-        index=0, first_env=0, env_fns=[], num_envs=num_envs, num_workers=num_workers,
-        num_slots=2, batch_size=num_envs, observation_space=spaces.Discrete(3),
-        action_space=spaces.Discrete(2), observation_mode="same", shared_memory=True,
-        autoreset_mode=0, spin_ns=0, main_pid=os.getpid(), use_death_signal=False,
-    )  # fmt: skip
-    blocks = split_blocks(num_envs, num_workers)
-    pool = WorkerPool(spec, [None] * num_envs, blocks, EngineOptions(in_process=True))
-    pool.open()
+    pool = open_pool(num_envs, num_workers, num_envs, spaces.Discrete(3))
     pool.workers = [ProcessStandIn(1000 + i) for i in range(num_workers)]
     return pool
 
