@@ -12,9 +12,10 @@ with ``python setup.py build_ext --inplace``) can be compared in one run::
 A side may also differ by environment variables (``--b-env NAME=VALUE``, read by
 a switch the tree carries for the measurement) or by ``ShmVectorEnv`` options
 for one case (``--b-kwargs 'wait5ms-16={"env_concurrency": 16}'``; the waiting
-cases need ``env_concurrency`` to step their envs in threads). Within each pair
-the order of A and B alternates (AB, then BA, ...), so that a drift of the
-host's speed weighs on both sides alike.
+cases need ``env_concurrency`` to step their envs in threads; a side whose
+options make it async, ``batch_size`` included, is driven by ``recv``/``send``).
+Within each pair the order of A and B alternates (AB, then BA, ...), so that a
+drift of the host's speed weighs on both sides alike.
 
 Sides that differ only by environment variables or options are best compared
 with ``--interleave``: one process per case holds both vector envs open and
@@ -97,14 +98,14 @@ def open_backend(backend, kwargs, env_vars):
     saved = {name: os.environ.get(name) for name in env_vars}
     os.environ.update(env_vars)  # read by the engine and its workers at start
     try:
-        env = ShmVectorEnv([fn] * n, batch_size=batch, context="fork", **kwargs)
+        env = ShmVectorEnv([fn] * n, **{"batch_size": batch, "context": "fork", **kwargs})
     finally:
         for name, value in saved.items():
             if value is None:
                 del os.environ[name]
             else:
                 os.environ[name] = value
-    if batch is None:
+    if not env.is_async:
         env.reset(seed=0)
         return env, lambda k: env.step(actions[k]) and n
     env.async_reset(seed=0)
@@ -114,7 +115,7 @@ def open_backend(backend, kwargs, env_vars):
         env.send(actions[k, : len(ids)], ids)
         return len(ids)
 
-    for k in range(3 * n // batch):  # every env back once
+    for k in range(3 * n // env.batch_size):  # every env back once
         step(k)
     return env, step
 
