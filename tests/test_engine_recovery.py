@@ -195,3 +195,32 @@ def test_sync_stuck_workers_are_those_unfinished_past_the_timeout():
     wire = SyncWire(pool)
     assert wire.stuck_workers(round_started=0.0, env_timeout=1.0) == [1]
     assert wire.stuck_workers(round_started=time.monotonic(), env_timeout=60.0) == []
+
+
+def test_a_replacement_is_not_taken_for_stuck_in_the_env_its_predecessor_died_in():
+    """A worker killed inside env 3 leaves its words saying so; until the
+    replacement steps, env_timeout must not read them as the replacement's."""
+    wire = _async_wire(num_envs=4, num_workers=2)
+    pool = wire.pool
+    pool.current_env[1] = 3 + 1  # worker 1 died in env 3 ...
+    pool.env_started_ns[1] = 1  # ... long ago
+    assert wire.stuck_workers(round_started=0.0, env_timeout=0.5) == [1]
+
+    class Dead:
+        exitcode = -9
+
+        def join(self, timeout=None):
+            pass
+
+    class PipeStandIn:
+        def poll(self, timeout=0):
+            return False
+
+        def close(self):
+            pass
+
+    pool.workers, pool.pipes = [Dead(), Dead()], [PipeStandIn(), PipeStandIn()]
+    pool.start_worker = lambda index, **changes: ("replacement", PipeStandIn())
+    pool.replace(1)
+    assert pool.workers[1] == "replacement"
+    assert wire.stuck_workers(round_started=0.0, env_timeout=0.5) == []

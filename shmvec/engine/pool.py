@@ -169,6 +169,8 @@ class WorkerPool:
         self.pipes[index].close()
         self.stashed[index][False].clear()  # replies to rounds it will never finish
         self.message_flags[index] = 0  # a round's message it flagged died with it
+        # It died in an env: its replacement starts in none (env_timeout reads this).
+        self.current_env[index] = 0
         self.workers[index], self.pipes[index] = self.start_worker(index, **spec_changes)
 
     # ----------------------------------------------------------------- pipes
