@@ -17,23 +17,22 @@ void StepBarrier::post(uint32_t kind, uint32_t arg) noexcept {
   }
 }
 
-WaitStatus StepBarrier::wait_done(int64_t spin_ns, int64_t timeout_ns) noexcept {
+WaitStatus StepBarrier::wait_done(int64_t timeout_ns) noexcept {
   const uint32_t target = num_workers_;
   return adaptive_wait(
       w_->done.value, w_->main_sleeping.value,
-      [target](uint32_t done) { return done >= target; }, spin_, spin_ns, timeout_ns);
+      [target](uint32_t done) { return done >= target; }, spin_, timeout_ns);
 }
 
 uint32_t StepBarrier::arrived() const noexcept {
   return w_->done.value.load(std::memory_order_acquire);
 }
 
-WaitStatus StepBarrier::wait_command(uint32_t last_generation, int64_t spin_ns,
-                                     int64_t timeout_ns, Command* out) noexcept {
+WaitStatus StepBarrier::wait_command(uint32_t last_generation, int64_t timeout_ns,
+                                     Command* out) noexcept {
   WaitStatus status = adaptive_wait(
       w_->generation.value, w_->worker_sleepers.value,
-      [last_generation](uint32_t g) { return g != last_generation; }, spin_, spin_ns,
-      timeout_ns);
+      [last_generation](uint32_t g) { return g != last_generation; }, spin_, timeout_ns);
   if (status == WaitStatus::kReady) {
     // The acquire load in spin_then_sleep saw the bump, so these relaxed
     // loads see the words stored before it.

@@ -19,8 +19,8 @@
 // thread at a time; wait_command() and arrive() each worker, once a round.
 //
 // Waiting: a bounded spin, then a futex sleep (why: docs/design/waiting.md).
-// spin_ns >= 0 is a fixed spin, < 0 the adaptive budget of this object's
-// waiter capped at -spin_ns (csrc/wait_policy.h; shmvec/spin.py picks caps).
+// Each process's object spins as its set_spin() says (csrc/wait_policy.h;
+// shmvec/spin.py picks the caps).
 #pragma once
 
 #include <sched.h>
@@ -66,7 +66,7 @@ class StepBarrier {
   void post(uint32_t kind, uint32_t arg) noexcept;
   // [main] Waits for all arrivals of the current round; timeout_ns < 0 waits
   // for ever. kTimedOut leaves the round pending (call again to keep waiting).
-  WaitStatus wait_done(int64_t spin_ns, int64_t timeout_ns) noexcept;
+  WaitStatus wait_done(int64_t timeout_ns) noexcept;
   // [main] Arrivals so far in the current round.
   uint32_t arrived() const noexcept;
   // [main] Workers that arrived with message=true this round: when 0, the
@@ -80,8 +80,11 @@ class StepBarrier {
   }
 
   // [worker] Waits for a generation other than `last_generation`.
-  WaitStatus wait_command(uint32_t last_generation, int64_t spin_ns, int64_t timeout_ns,
+  WaitStatus wait_command(uint32_t last_generation, int64_t timeout_ns,
                           Command* out) noexcept;
+  // [waiter] How this object's waits spin: up to cap_ns, learning from the
+  // gaps seen if adaptive (csrc/wait_policy.h). Default: no spin.
+  void set_spin(int64_t cap_ns, bool adaptive) noexcept { spin_.set(cap_ns, adaptive); }
   // [worker] Ends this worker's part of the round; `message`: a pickled
   // message of this round follows on the worker's pipe. The last arrival
   // wakes a sleeping main process.
@@ -149,16 +152,15 @@ WaitStatus spin_then_sleep(std::atomic<uint32_t>& word, std::atomic<uint32_t>& s
   }
 }
 
-// Every waiter's wait: spin_then_sleep with the spin `adaptive` allows (or the
-// caller's fixed spin_ns >= 0, see spin_for), then `adaptive` learns from it.
+// Every waiter's wait: spin_then_sleep with the spin `spin` allows, then
+// `spin` learns from it.
 template <class Ready>
 WaitStatus adaptive_wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
-                         Ready ready, AdaptiveSpin& adaptive, int64_t spin_ns,
-                         int64_t timeout_ns) noexcept {
+                         Ready ready, AdaptiveSpin& spin, int64_t timeout_ns) noexcept {
   WaitOutcome outcome;
-  WaitStatus status = spin_then_sleep(word, sleepers, ready, spin_for(adaptive, spin_ns),
-                                      timeout_ns, outcome);
-  adaptive.learn(outcome);
+  WaitStatus status =
+      spin_then_sleep(word, sleepers, ready, spin.budget_ns(), timeout_ns, outcome);
+  spin.learn(outcome);
   return status;
 }
 

@@ -34,6 +34,10 @@ std::atomic<uint32_t>* word_at(const Segment& segment, size_t offset) {
   return reinterpret_cast<std::atomic<uint32_t>*>(segment.data() + offset);
 }
 
+constexpr const char* kSetSpinDoc =
+    "How this process's waits on the object spin before they sleep: up to cap_ns, "
+    "learning from the gaps seen if adaptive (csrc/wait_policy.h). Default: no spin.";
+
 void check_wait(WaitStatus status) {
   if (status == WaitStatus::kError) {
     throw std::system_error(errno, std::generic_category(), "futex wait");
@@ -136,17 +140,22 @@ timeout waits for ever.
           py::arg("kind"), py::arg("arg") = 0)
       .def(
           "wait_done",
-          [](PyBarrier& b, int64_t spin_ns, int64_t timeout_ns) {
+          [](PyBarrier& b, int64_t timeout_ns) {
             WaitStatus s;
             {
               py::gil_scoped_release release;
-              s = b.barrier.wait_done(spin_ns, timeout_ns);
+              s = b.barrier.wait_done(timeout_ns);
             }
             check_wait(s);
             return s == WaitStatus::kReady;
           },
-          py::arg("spin_ns"), py::arg("timeout_ns"),
-          "True once every worker arrived, False on timeout.")
+          py::arg("timeout_ns"), "True once every worker arrived, False on timeout.")
+      .def(
+          "set_spin",
+          [](PyBarrier& b, int64_t cap_ns, bool adaptive) {
+            b.barrier.set_spin(cap_ns, adaptive);
+          },
+          py::arg("cap_ns"), py::arg("adaptive"), kSetSpinDoc)
       .def("arrived", [](PyBarrier& b) { return b.barrier.arrived(); })
       .def(
           "messages", [](PyBarrier& b) { return b.barrier.messages(); },
@@ -155,19 +164,18 @@ timeout waits for ever.
                              [](PyBarrier& b) { return b.barrier.generation(); })
       .def(
           "wait_command",
-          [](PyBarrier& b, uint32_t last_generation, int64_t spin_ns,
-             int64_t timeout_ns) -> py::object {
+          [](PyBarrier& b, uint32_t last_generation, int64_t timeout_ns) -> py::object {
             Command c{};
             WaitStatus s;
             {
               py::gil_scoped_release release;
-              s = b.barrier.wait_command(last_generation, spin_ns, timeout_ns, &c);
+              s = b.barrier.wait_command(last_generation, timeout_ns, &c);
             }
             check_wait(s);
             if (s != WaitStatus::kReady) return py::none();
             return py::make_tuple(c.generation, c.kind, c.arg);
           },
-          py::arg("last_generation"), py::arg("spin_ns"), py::arg("timeout_ns"),
+          py::arg("last_generation"), py::arg("timeout_ns"),
           "(generation, kind, arg) of the next command, or None on timeout.")
       .def(
           "arrive", [](PyBarrier& b, bool message) { b.barrier.arrive(message); },
@@ -191,17 +199,23 @@ exposed for tests; the workers call them from Cython.
           py::arg("slot"))
       .def(
           "wait_full",
-          [](PyRing& r, uint32_t slot, int64_t spin_ns, int64_t timeout_ns) {
+          [](PyRing& r, uint32_t slot, int64_t timeout_ns) {
             WaitStatus s;
             {
               py::gil_scoped_release release;
-              s = r.ring.wait_full(slot, spin_ns, timeout_ns);
+              s = r.ring.wait_full(slot, timeout_ns);
             }
             check_wait(s);
             return s == WaitStatus::kReady;
           },
-          py::arg("slot"), py::arg("spin_ns"), py::arg("timeout_ns"),
+          py::arg("slot"), py::arg("timeout_ns"),
           "True once the slot is full, False on timeout.")
+      .def(
+          "set_spin",
+          [](PyRing& r, int64_t cap_ns, bool adaptive) {
+            r.ring.set_spin(cap_ns, adaptive);
+          },
+          py::arg("cap_ns"), py::arg("adaptive"), kSetSpinDoc)
       .def("filled", [](PyRing& r, uint32_t slot) { return r.ring.filled(slot); })
       .def("claimed", [](PyRing& r) { return r.ring.claimed(); })
       .def("release", [](PyRing& r, uint32_t slot) { r.ring.release(slot); })
@@ -216,19 +230,24 @@ exposed for tests; the workers call them from Cython.
       .def("ring", [](PyDoorbell& d) { d.bell.ring(); })
       .def(
           "wait",
-          [](PyDoorbell& d, uint32_t last, int64_t spin_ns,
-             int64_t timeout_ns) -> py::object {
+          [](PyDoorbell& d, uint32_t last, int64_t timeout_ns) -> py::object {
             uint32_t seen = 0;
             WaitStatus s;
             {
               py::gil_scoped_release release;
-              s = d.bell.wait(last, spin_ns, timeout_ns, &seen);
+              s = d.bell.wait(last, timeout_ns, &seen);
             }
             check_wait(s);
             if (s != WaitStatus::kReady) return py::none();
             return py::int_(seen);
           },
-          py::arg("last"), py::arg("spin_ns"), py::arg("timeout_ns"));
+          py::arg("last"), py::arg("timeout_ns"))
+      .def(
+          "set_spin",
+          [](PyDoorbell& d, int64_t cap_ns, bool adaptive) {
+            d.bell.set_spin(cap_ns, adaptive);
+          },
+          py::arg("cap_ns"), py::arg("adaptive"), kSetSpinDoc);
 
   // Raw word operations, for tests of the futex layer across processes.
   m.def(

@@ -27,12 +27,11 @@ void ResultRing::publish(uint32_t slot) noexcept {
   }
 }
 
-WaitStatus ResultRing::wait_full(uint32_t slot, int64_t spin_ns,
-                                 int64_t timeout_ns) noexcept {
+WaitStatus ResultRing::wait_full(uint32_t slot, int64_t timeout_ns) noexcept {
   const uint32_t target = batch_size_;
   return adaptive_wait(
       filled_[slot].value, header_->main_sleeping.value,
-      [target](uint32_t filled) { return filled >= target; }, spin_, spin_ns, timeout_ns);
+      [target](uint32_t filled) { return filled >= target; }, spin_, timeout_ns);
 }
 
 void ResultRing::set_handoff(bool on) noexcept {
@@ -58,11 +57,10 @@ void Doorbell::ring() noexcept {
   }
 }
 
-WaitStatus Doorbell::wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
-                          uint32_t* out) noexcept {
+WaitStatus Doorbell::wait(uint32_t last, int64_t timeout_ns, uint32_t* out) noexcept {
   WaitStatus status = adaptive_wait(
       w_->rings.value, w_->sleepers.value,
-      [last](uint32_t rings) { return rings != last; }, spin_, spin_ns, timeout_ns);
+      [last](uint32_t rings) { return rings != last; }, spin_, timeout_ns);
   *out = w_->rings.value.load(std::memory_order_acquire);
   return status;
 }

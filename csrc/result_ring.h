@@ -63,7 +63,9 @@ class ResultRing {
   // that worker's next envs.
   void set_handoff(bool on) noexcept;
   // [main] Waits until `slot` holds batch_size published rows.
-  WaitStatus wait_full(uint32_t slot, int64_t spin_ns, int64_t timeout_ns) noexcept;
+  WaitStatus wait_full(uint32_t slot, int64_t timeout_ns) noexcept;
+  // [main] How wait_full spins (csrc/wait_policy.h). Default: no spin.
+  void set_spin(int64_t cap_ns, bool adaptive) noexcept { spin_.set(cap_ns, adaptive); }
   // [main] Rows of `slot` published so far.
   uint32_t filled(uint32_t slot) const noexcept;
   // [main] Rows claimed so far, all slots and laps together.
@@ -92,8 +94,9 @@ class Doorbell {
   void ring() noexcept;
   // [worker] Waits for a ring count other than `last`; returns the count
   // seen in *out.
-  WaitStatus wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
-                  uint32_t* out) noexcept;
+  WaitStatus wait(uint32_t last, int64_t timeout_ns, uint32_t* out) noexcept;
+  // [worker] How wait spins (csrc/wait_policy.h). Default: no spin.
+  void set_spin(int64_t cap_ns, bool adaptive) noexcept { spin_.set(cap_ns, adaptive); }
 
  private:
   DoorbellWords* w_;

@@ -1,5 +1,5 @@
 // AdaptiveSpin: how long one waiter spins before it sleeps on its futex,
-// learned from the gaps it actually sees.
+// learned from the gaps it actually sees (or fixed, when set so).
 //
 // Data flow: a waiter (the main process in wait_done/wait_full, a worker in
 // wait_command/Doorbell::wait) asks budget_ns() before each wait, spins for
@@ -40,19 +40,22 @@ class AdaptiveSpin {
   // A gap beyond this many caps means idle: stop spinning at once.
   static constexpr int64_t kIdleCaps = 4;
 
-  explicit AdaptiveSpin(int64_t cap_ns = 0) noexcept { set_cap(cap_ns); }
+  AdaptiveSpin() noexcept = default;
+  AdaptiveSpin(int64_t cap_ns, bool adaptive) noexcept { set(cap_ns, adaptive); }
 
-  // Caps the budget (0: never spin); starts it at min(cap, 50 us), the fixed
-  // spin this replaced.
-  void set_cap(int64_t cap_ns) noexcept {
+  // The longest spin (0: never spin). adaptive: the budget learns from the
+  // gaps seen, starting at min(cap, 50 us); otherwise every wait spins cap_ns.
+  void set(int64_t cap_ns, bool adaptive) noexcept {
     cap_ns_ = std::max<int64_t>(cap_ns, 0);
-    budget_ns_ = std::min<int64_t>(cap_ns_, 50'000);
+    adaptive_ = adaptive;
+    budget_ns_ = adaptive ? std::min<int64_t>(cap_ns_, 50'000) : cap_ns_;
   }
   int64_t cap_ns() const noexcept { return cap_ns_; }
+  bool adaptive() const noexcept { return adaptive_; }
   int64_t budget_ns() const noexcept { return budget_ns_; }
 
   void learn(const WaitOutcome& o) noexcept {
-    if (cap_ns_ == 0) return;
+    if (!adaptive_ || cap_ns_ == 0) return;
     if (o.timed_out || o.waited_ns > kIdleCaps * cap_ns_) {
       budget_ns_ = 0;
     } else if (!o.slept) {
@@ -69,15 +72,8 @@ class AdaptiveSpin {
 
  private:
   int64_t cap_ns_ = 0;
+  bool adaptive_ = false;
   int64_t budget_ns_ = 0;
 };
-
-// The spin a wait uses: spin_ns >= 0 is a fixed spin (the caller's choice);
-// spin_ns < 0 asks for the adaptive budget with cap -spin_ns.
-inline int64_t spin_for(AdaptiveSpin& adaptive, int64_t spin_ns) noexcept {
-  if (spin_ns >= 0) return spin_ns;
-  if (adaptive.cap_ns() != -spin_ns) adaptive.set_cap(-spin_ns);
-  return adaptive.budget_ns();
-}
 
 }  // namespace shmvec

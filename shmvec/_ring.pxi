@@ -17,8 +17,8 @@ cdef extern from "result_ring.h" namespace "shmvec":
     cdef cppclass Doorbell:
         Doorbell(DoorbellWords* words) nogil
         void ring() nogil
-        WaitStatus wait(uint32_t last, int64_t spin_ns, int64_t timeout_ns,
-                        uint32_t* out) nogil
+        WaitStatus wait(uint32_t last, int64_t timeout_ns, uint32_t* out) nogil
+        void set_spin(int64_t cap_ns, bint adaptive) nogil
 
 
 cdef class EnvBook:
@@ -121,12 +121,16 @@ cdef class WorkerDoorbell:
     def __dealloc__(self):
         del self.bell
 
-    def wait(self, uint32_t last, int64_t spin_ns, int64_t timeout_ns):
+    def set_spin(self, int64_t cap_ns, bint adaptive):
+        """How ``wait`` spins before it sleeps (csrc/wait_policy.h)."""
+        self.bell.set_spin(cap_ns, adaptive)
+
+    def wait(self, uint32_t last, int64_t timeout_ns):
         """The new ring count, or None on timeout."""
         cdef uint32_t seen = 0
         cdef WaitStatus status
         with nogil:
-            status = self.bell.wait(last, spin_ns, timeout_ns, &seen)
+            status = self.bell.wait(last, timeout_ns, &seen)
         if status == WaitStatus.kReady:
             return seen
         if status == WaitStatus.kTimedOut:

@@ -45,8 +45,9 @@ cdef extern from "barrier.h" namespace "shmvec":
 
     cdef cppclass StepBarrier:
         StepBarrier(BarrierWords* words, uint32_t num_workers) nogil
-        WaitStatus wait_command(uint32_t last_generation, int64_t spin_ns,
-                                int64_t timeout_ns, Command* out) nogil
+        WaitStatus wait_command(uint32_t last_generation, int64_t timeout_ns,
+                                Command* out) nogil
+        void set_spin(int64_t cap_ns, bint adaptive) nogil
         void arrive(bint message) nogil
         uint32_t generation() nogil
 
@@ -76,12 +77,16 @@ cdef class WorkerBarrier:
     def __dealloc__(self):
         del self.barrier
 
-    def wait_command(self, uint32_t last_generation, int64_t spin_ns, int64_t timeout_ns):
+    def set_spin(self, int64_t cap_ns, bint adaptive):
+        """How ``wait_command`` spins before it sleeps (csrc/wait_policy.h)."""
+        self.barrier.set_spin(cap_ns, adaptive)
+
+    def wait_command(self, uint32_t last_generation, int64_t timeout_ns):
         """(generation, kind, arg) of the next command, or None on timeout."""
         cdef Command command
         cdef WaitStatus status
         with nogil:
-            status = self.barrier.wait_command(last_generation, spin_ns, timeout_ns, &command)
+            status = self.barrier.wait_command(last_generation, timeout_ns, &command)
         if status == WaitStatus.kReady:
             return (command.generation, command.kind, command.arg)
         if status == WaitStatus.kTimedOut:
@@ -464,7 +469,7 @@ cdef class Block:
         if has_message:
             self.send(message)
 
-    def serve_rounds(self, int64_t spin_ns, int64_t timeout_ns, Py_ssize_t max_rounds):
+    def serve_rounds(self, int64_t timeout_ns, Py_ssize_t max_rounds):
         """Sync mode: waits for commands after ``generation`` and runs them while
         they are plain STEP rounds (actions in the slab, observations in
         columns), at most ``max_rounds``, with no Python frame a round.
@@ -480,8 +485,7 @@ cdef class Block:
         cdef list infos, errors, announced
         while rounds < max_rounds:
             with nogil:
-                status = self.barrier.barrier.wait_command(self.generation, spin_ns, timeout_ns,
-                                                           &command)
+                status = self.barrier.barrier.wait_command(self.generation, timeout_ns, &command)
             if status == WaitStatus.kTimedOut:
                 break
             if status != WaitStatus.kReady:

@@ -22,7 +22,8 @@ on timing; infos and errors are gathered per env and returned in row order.
 
 This module is the mechanism; the worker hooks it in where it steps its envs
 (``ConcurrentEnvs.step``, ``.map_envs``; ``.run_pending`` and ``.drain`` in
-``shmvec.wires.AsyncWire``) and before each wait (``.spin_ns``).
+``shmvec.wires.AsyncWire``), before each wait (``.before_wait``) and in the spin
+of the waits (``.spin``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from shmvec.spin import NO_SPIN, Spin
 
 # A pinned worker that steps serially looks for child processes at least every
 # this many rounds (see _check_children).
@@ -211,12 +214,15 @@ class ConcurrentEnvs:
         if self.threads > 1:
             self._start_threads()
 
-    def spin_ns(self, spin_ns: int) -> int:
-        """Spinning for the next command steals the core the env threads need.
-        Called before every wait for a command (sync and async mode)."""
+    def spin(self, spin: Spin) -> Spin:
+        """The worker's spin while it waits for work: none with env threads,
+        whose core it would steal."""
+        return NO_SPIN if self.threads > 1 else spin
+
+    def before_wait(self) -> None:
+        """Called before every wait for work (sync and async mode)."""
         if self._pinned:
             self._check_children()
-        return 0 if self.threads > 1 else spin_ns
 
     def _publish_threads(self) -> None:
         if self._threads_word is not None:

@@ -2,8 +2,8 @@
 
 Each waiter learns its spin from the gaps it sees (csrc/wait_policy.h); this
 module only chooses each waiter's ``Spin`` (its cap, and whether it adapts)
-from the core count and the waiter's role. ``Spin.core_ns`` is the one place
-that turns a ``Spin`` into the core's integer argument.
+from the core count and the waiter's role, and sets it on the object it waits
+on (``Spin.apply``).
 
 The rule: when every process has a core of its own (or only main is over, on
 ``MANY_CORES``+ cores), main and workers spin adaptively up to ``SPIN_CAP_NS``
@@ -16,7 +16,7 @@ have a core spin adaptively, and more workers than cores spin a fixed
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 #: The adaptive spin's cap when each spinner has a core (halt-polling's default too).
 SPIN_CAP_NS = 200_000
@@ -37,12 +37,12 @@ class Spin(NamedTuple):
     #: False: every wait spins ``cap_ns``.
     adaptive: bool
 
-    def core_ns(self) -> int:
-        """The ``spin_ns`` argument of the core's waits (csrc/wait_policy.h): a
-        fixed spin as itself, an adaptive one as ``-cap_ns``."""
+    def apply(self, waiter: Any) -> None:
+        """Makes ``waiter``'s waits spin so: a barrier, ring or doorbell of the
+        core (its ``set_spin``, csrc/wait_policy.h), in the process that waits."""
         if self.cap_ns < 0:
             raise ValueError(f"a spin's cap must be >= 0 ns, got {self.cap_ns}")
-        return -self.cap_ns if self.adaptive else self.cap_ns
+        waiter.set_spin(self.cap_ns, self.adaptive)
 
 
 #: No spin: the waiter sleeps on its futex at once.

@@ -82,6 +82,7 @@ from shmvec.protocol import (
     SET_ATTR,
     STEP,
 )
+from shmvec.spin import Spin
 from shmvec.worker import WorkerSpec
 
 logger = logging.getLogger("shmvec")
@@ -253,7 +254,7 @@ class ShmVectorEnv(VectorEnvBase):
             env_timeout=self.env_timeout, restart_on_death=self.on_worker_death == "restart",
         )  # fmt: skip
         engine = build_engine(
-            _worker_spec(self, spin.worker.core_ns()), self.env_fns, self._env_blocks,
+            _worker_spec(self, spin.worker), self.env_fns, self._env_blocks,
             self._obs_codec, self._stats, spin, options,
         )  # fmt: skip
         self._pool, self._decoder, self._rounds = engine.pool, engine.decoder, engine.rounds
@@ -511,7 +512,7 @@ def _stop_engine(
     pool.release()
 
 
-def _worker_spec(env: ShmVectorEnv, spin_ns: int) -> WorkerSpec:
+def _worker_spec(env: ShmVectorEnv, spin: Spin) -> WorkerSpec:
     """What every worker of ``env`` shares (``index`` and its envs come later)."""
     mode = env.observation_mode if isinstance(env.observation_mode, str) else "custom"
     return WorkerSpec(
@@ -520,7 +521,7 @@ def _worker_spec(env: ShmVectorEnv, spin_ns: int) -> WorkerSpec:
         observation_space=env.single_observation_space,
         action_space=env.single_action_space, observation_mode=mode,
         shared_memory=env.shared_memory,
-        autoreset_mode=AUTORESET_CODES[env.autoreset_mode], spin_ns=spin_ns,
+        autoreset_mode=AUTORESET_CODES[env.autoreset_mode], spin=spin,
         main_pid=os.getpid(),
         use_death_signal=threading.current_thread() is threading.main_thread(),
         on_env_error=env.on_env_error,

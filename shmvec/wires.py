@@ -17,6 +17,7 @@ import numpy as np
 
 from shmvec import _worker_loop
 from shmvec.protocol import ENV_RESET, RESET, SLOT_MASK, STEP
+from shmvec.spin import Spin
 
 
 @dataclass(frozen=True)
@@ -60,15 +61,19 @@ class SyncWire:
         self.serial = not worker.obs_codec.pickled
         self.command: tuple | None = None
 
-    def wait_for_work(self, spin_ns: int, timeout_ns: int) -> bool:
+    def set_spin(self, spin: Spin) -> None:
+        """How the waits for a command spin."""
+        spin.apply(self.block.barrier)
+
+    def wait_for_work(self, timeout_ns: int) -> bool:
         """Waits for a command (running plain step rounds meanwhile); False if
         the wait timed out."""
         block, concurrency = self.block, self.worker.concurrency
         serial = concurrency.serial_rounds() if self.serial else 0  # hook: concurrent_envs
         if not serial:
-            self.command = block.barrier.wait_command(block.generation, spin_ns, timeout_ns)
+            self.command = block.barrier.wait_command(block.generation, timeout_ns)
             return self.command is not None
-        ran, self.command = block.serve_rounds(spin_ns, timeout_ns, serial)
+        ran, self.command = block.serve_rounds(timeout_ns, serial)
         # all rounds ran: a pinned worker's check for child processes is due
         return self.command is not None or ran == serial
 
@@ -82,7 +87,7 @@ class SyncWire:
         barrier = self.block.barrier
         if barrier.generation_now() == self.block.generation:
             return True
-        return self.worker.run_command(barrier.wait_command(self.block.generation, 0, 0))
+        return self.worker.run_command(barrier.wait_command(self.block.generation, 0))
 
     def recover(self, plan: RoundRecovery | EnvRecovery) -> dict:
         """Resets every env (all are new) as the round of ``plan`` asks: in a STEP
@@ -145,9 +150,13 @@ class AsyncWire:
         block.take_reset_args = self.take_reset_args
         block.restart = self.restart_result
 
-    def wait_for_work(self, spin_ns: int, timeout_ns: int) -> bool:
+    def set_spin(self, spin: Spin) -> None:
+        """How the waits for the doorbell spin."""
+        spin.apply(self.doorbell)
+
+    def wait_for_work(self, timeout_ns: int) -> bool:
         """Waits for the doorbell; False if the wait timed out."""
-        seen = self.doorbell.wait(self.rings, spin_ns, timeout_ns)
+        seen = self.doorbell.wait(self.rings, timeout_ns)
         if seen is None:
             return False
         self.rings = seen
@@ -159,7 +168,7 @@ class AsyncWire:
         worker, block = self.worker, self.block
         if block.barrier.generation_now() != block.generation:
             worker.concurrency.drain()  # hook: no env thread runs during call/set_attr/close
-            if not worker.run_command(block.barrier.wait_command(block.generation, 0, 0)):
+            if not worker.run_command(block.barrier.wait_command(block.generation, 0)):
                 return False
         started = time.perf_counter_ns()
         worker.concurrency.run_pending(block)  # hook: Block.step_pending, or threads

@@ -44,6 +44,7 @@ from shmvec.protocol import (
     STEP,
     WATCHDOG_NS,
 )
+from shmvec.spin import Spin
 from shmvec.wires import AsyncWire, EnvRecovery, RoundRecovery, SyncWire, recovery_plan
 
 
@@ -63,7 +64,7 @@ class WorkerSpec:
     observation_mode: str
     shared_memory: bool
     autoreset_mode: int
-    spin_ns: int
+    spin: Spin  # how the worker's waits for work spin
     main_pid: int
     # PR_SET_PDEATHSIG fires when the *thread* that forked us exits: only
     # safe when that is the main thread. The watchdog covers the rest.
@@ -313,7 +314,7 @@ class Worker:
         else:
             self.wire = SyncWire(self)
         # Envs that wait are stepped several at once (shmvec/concurrent_envs.py);
-        # hooked in at step(), the async wire's work() and the spin of the waits.
+        # hooked in at step(), the async wire's work() and before each wait.
         self.concurrency = ConcurrentEnvs(
             block,
             spec.env_concurrency,
@@ -322,13 +323,14 @@ class Worker:
             _worker_cpu(spec.index) if os.getpid() != spec.main_pid else None,
             pin=spec.pin_cpu,
         )
+        self.wire.set_spin(self.concurrency.spin(spec.spin))
 
     def serve(self) -> None:
         """Waits for work and does it, until CLOSE (or the main's death)."""
         wire, concurrency = self.wire, self.concurrency
         while True:
-            spin_ns = concurrency.spin_ns(self.spec.spin_ns)  # hook: concurrent_envs
-            if not wire.wait_for_work(spin_ns, WATCHDOG_NS):
+            concurrency.before_wait()  # hook: concurrent_envs
+            if not wire.wait_for_work(WATCHDOG_NS):
                 _exit_if_main_gone(self.spec.main_pid)
             elif not wire.work():
                 return

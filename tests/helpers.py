@@ -96,13 +96,14 @@ def open_pool(num_envs: int, num_workers: int, batch_size: int, observation_spac
     from shmvec.batching import split_blocks
     from shmvec.engine.options import EngineOptions
     from shmvec.engine.pool import WorkerPool
+    from shmvec.spin import NO_SPIN
     from shmvec.worker import WorkerSpec
 
     spec = WorkerSpec(
         index=0, first_env=0, env_fns=[], num_envs=num_envs, num_workers=num_workers,
         num_slots=num_slots, batch_size=batch_size, observation_space=observation_space,
         action_space=spaces.Discrete(2), observation_mode="same", shared_memory=True,
-        autoreset_mode=0, spin_ns=0, main_pid=os.getpid(), use_death_signal=False,
+        autoreset_mode=0, spin=NO_SPIN, main_pid=os.getpid(), use_death_signal=False,
     )  # fmt: skip
     blocks = split_blocks(num_envs, num_workers)
     pool = WorkerPool(spec, [None] * num_envs, blocks, EngineOptions(in_process=True))

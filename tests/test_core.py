@@ -338,13 +338,14 @@ def _barrier_worker(fd, index, num_workers, spin_ns):
     round, then arrives."""
     seg = _core.Segment.attach(fd)
     barrier = _core.StepBarrier(seg, BARRIER, num_workers)
+    barrier.set_spin(spin_ns, False)
     counters = np.frombuffer(memoryview(seg), dtype=np.uint32, count=64, offset=DATA)
     last_args = np.frombuffer(memoryview(seg), dtype=np.uint32, count=64, offset=DATA + 512)
     generation = 0
     rounds = 0
     stale = 0
     while True:
-        command = barrier.wait_command(generation, spin_ns, 10 * SEC)
+        command = barrier.wait_command(generation, 10 * SEC)
         if command is None:
             return ("timed out waiting for a command", rounds)
         generation, kind, arg = command
@@ -365,6 +366,7 @@ def test_step_barrier_rounds_under_contention(num_workers, spin_ns):
     rounds = 1500
     seg = _core.Segment.create(8192)
     barrier = _core.StepBarrier(seg, BARRIER, num_workers)
+    barrier.set_spin(spin_ns, False)
     counters = np.frombuffer(memoryview(seg), dtype=np.uint32, count=64, offset=DATA)
     last_args = np.frombuffer(memoryview(seg), dtype=np.uint32, count=64, offset=DATA + 512)
     pool = []
@@ -380,14 +382,14 @@ def test_step_barrier_rounds_under_contention(num_workers, spin_ns):
     try:
         for r in range(rounds):
             barrier.post(1, r)
-            assert barrier.wait_done(spin_ns, 10 * SEC), f"round {r} did not complete"
+            assert barrier.wait_done(10 * SEC), f"round {r} did not complete"
             assert barrier.arrived() == num_workers
             # wait_done returned only after every worker's writes of this round.
             assert (counters[:num_workers] == r + 1).all(), (r, counters[:num_workers])
             assert (last_args[:num_workers] == r).all(), (r, last_args[:num_workers])
             assert _core.atomic_load(seg, W0) == (r + 1) * num_workers
         barrier.post(STOP, 0)
-        assert barrier.wait_done(spin_ns, 10 * SEC)
+        assert barrier.wait_done(10 * SEC)
         for _, parent in pool:
             assert parent.poll(20)
             kind, value = parent.recv()
@@ -405,7 +407,7 @@ def _late_worker(fd, index, num_workers):
     """Worker 0 arrives at once; worker 1 only after the main sets W1."""
     seg = _core.Segment.attach(fd)
     barrier = _core.StepBarrier(seg, BARRIER, num_workers)
-    command = barrier.wait_command(0, 0, 10 * SEC)
+    command = barrier.wait_command(0, 10 * SEC)
     if command is None:
         return "no command"
     if index == 1:
@@ -433,13 +435,14 @@ def test_wait_done_times_out_until_the_last_worker_arrives():
         barrier.post(1, 0)
         _wait_until(lambda: barrier.arrived() == 1)
         # One worker is missing: wait_done must time out, repeatedly.
-        assert barrier.wait_done(0, 100_000_000) is False
-        assert barrier.wait_done(5_000, 50_000_000) is False
+        assert barrier.wait_done(100_000_000) is False
+        barrier.set_spin(5_000, False)  # spinning first changes nothing
+        assert barrier.wait_done(50_000_000) is False
         assert barrier.arrived() == 1
         assert counters[1] == 0
         _core.atomic_store(seg, W1, 1)
         _core.futex_wake(seg, W1, 1)
-        assert barrier.wait_done(0, 10 * SEC) is True
+        assert barrier.wait_done(10 * SEC) is True
         assert barrier.arrived() == 2
         assert counters[1] == 1
         for _, parent in pool:
@@ -457,24 +460,26 @@ def test_wait_done_times_out_with_no_worker():
     seg = _core.Segment.create(4096)
     barrier = _core.StepBarrier(seg, BARRIER, 1)
     barrier.post(3, 4)
-    assert barrier.wait_done(0, 20_000_000) is False
-    assert barrier.wait_done(10_000, 0) is False
+    assert barrier.wait_done(20_000_000) is False
+    barrier.set_spin(10_000, False)
+    assert barrier.wait_done(0) is False
     assert barrier.arrived() == 0
 
 
 def test_wait_command_in_process():
     seg = _core.Segment.create(4096)
     barrier = _core.StepBarrier(seg, BARRIER, 1)
-    assert barrier.wait_command(0, 0, 20_000_000) is None, "no command posted yet"
+    assert barrier.wait_command(0, 20_000_000) is None, "no command posted yet"
     barrier.post(7, 11)
-    assert barrier.wait_command(0, 0, SEC) == (1, 7, 11)
+    assert barrier.wait_command(0, SEC) == (1, 7, 11)
     # The same generation again: nothing new.
-    assert barrier.wait_command(1, 0, 20_000_000) is None
+    assert barrier.wait_command(1, 20_000_000) is None
     barrier.arrive()
-    assert barrier.wait_done(0, SEC) is True
+    assert barrier.wait_done(SEC) is True
     barrier.post(8, 12)
     assert barrier.arrived() == 0, "post starts a new round"
-    assert barrier.wait_command(1, 1_000, SEC) == (2, 8, 12)
+    barrier.set_spin(1_000, True)
+    assert barrier.wait_command(1, SEC) == (2, 8, 12)
 
 
 def test_barrier_offset_is_checked():
@@ -493,7 +498,7 @@ def test_barrier_counts_the_workers_with_a_message():
     barrier.arrive(message=True)
     barrier.arrive()
     barrier.arrive(message=True)
-    assert barrier.wait_done(0, SEC) is True
+    assert barrier.wait_done(SEC) is True
     assert barrier.messages() == 2
     barrier.post(1, 0)
     assert barrier.messages() == 0, "post starts a new round"
@@ -511,7 +516,7 @@ def _ping_pong_child(rounds: int, timeout_ns: int) -> int:
     pong = _core.Doorbell(segment, PONG_OFFSET)
     seen, timeouts = 0, 0
     while seen < rounds:
-        got = ping.wait(seen, 0, timeout_ns)  # no spin: every wait sleeps on the futex
+        got = ping.wait(seen, timeout_ns)  # no spin (the default): every wait sleeps
         if got is None:
             timeouts += 1
             continue
@@ -532,10 +537,10 @@ def test_doorbell_never_loses_a_wakeup_across_processes():
         answered, timeouts = 0, 0
         for _ in range(rounds):
             ping.ring()
-            got = pong.wait(answered, 0, timeout_ns)
+            got = pong.wait(answered, timeout_ns)
             if got is None:
                 timeouts += 1
-                got = pong.wait(answered, 0, -1)
+                got = pong.wait(answered, -1)
             answered = got
         assert child.get(timeout=60) == 0
     assert timeouts == 0 and answered == rounds
@@ -565,11 +570,11 @@ def test_result_ring_fills_each_slot_exactly_once_under_contention(handoff):
     for p in procs:
         p.start()
     for slot in range(num_slots):
-        assert ring.wait_full(slot, 0, 10_000_000_000), f"slot {slot} never filled"
+        assert ring.wait_full(slot, 10_000_000_000), f"slot {slot} never filled"
         assert ring.filled(slot) == batch
         ring.release(slot)
         assert ring.filled(slot) == 0
     for p in procs:
         p.join(10)
         assert p.exitcode == 0
-    assert ring.wait_full(0, 0, 1_000_000) is False  # nothing more was published
+    assert ring.wait_full(0, 1_000_000) is False  # nothing more was published

@@ -32,7 +32,7 @@ class BarrierStandIn:
         self.generation += 1
         self.posts.append((kind, arg))
 
-    def wait_done(self, spin_ns: int, budget_ns: int) -> bool:
+    def wait_done(self, budget_ns: int) -> bool:
         return self.done
 
     def messages(self) -> int:
@@ -101,7 +101,7 @@ def _rounds(restart: bool = False) -> tuple[RoundDriver, PoolStandIn, SyncWire]:
     pool = PoolStandIn()
     decoder = DecoderStandIn(pool.num_workers)
     wire = SyncWire(pool)
-    supervisor = Supervisor(pool, decoder, Stats(), wire, 0, None, restart)
+    supervisor = Supervisor(pool, decoder, Stats(), wire, None, restart)
     return RoundDriver(pool, supervisor, decoder, Stats(), wire), pool, wire
 
 

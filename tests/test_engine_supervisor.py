@@ -67,9 +67,7 @@ def _pool(num_envs: int = 6, num_workers: int = 3) -> WorkerPool:
 
 
 def _supervisor(pool, wire, env_timeout=None, restart=False) -> Supervisor:
-    return Supervisor(
-        pool, DecoderStandIn(pool.num_workers), Stats(), wire, 0, env_timeout, restart
-    )
+    return Supervisor(pool, DecoderStandIn(pool.num_workers), Stats(), wire, env_timeout, restart)
 
 
 def test_a_death_during_a_wait_names_the_worker_and_its_envs():
@@ -77,7 +75,7 @@ def test_a_death_during_a_wait_names_the_worker_and_its_envs():
     supervisor = _supervisor(pool, WireStandIn([]))
     pool.workers[1].exitcode = -9
     with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid 1001, envs 2\.\.3\) killed by") as e:
-        supervisor.wait_for(lambda spin_ns, budget_ns: False, None, lambda: "unused")
+        supervisor.wait_for(lambda budget_ns: False, None, lambda: "unused")
     assert (e.value.worker, e.value.env_ids, e.value.exitcode) == (1, range(2, 4), -9)
 
 
@@ -85,10 +83,10 @@ def test_a_wait_ends_when_ready_and_times_out_with_why():
     pool = _pool()
     supervisor = _supervisor(pool, WireStandIn([]))
     calls = []
-    supervisor.wait_for(lambda spin_ns, budget_ns: calls.append(budget_ns) or True, 5.0, str)
+    supervisor.wait_for(lambda budget_ns: calls.append(budget_ns) or True, 5.0, str)
     assert len(calls) == 1 and 0 < calls[0] <= 5e9
     with pytest.raises(multiprocessing.TimeoutError, match="still waiting for worker 2"):
-        supervisor.wait_for(lambda s, b: False, 0.0, lambda: "still waiting for worker 2")
+        supervisor.wait_for(lambda budget_ns: False, 0.0, lambda: "still waiting for worker 2")
 
 
 def test_env_timeout_kills_the_stuck_workers_the_wire_names_but_spares_some():

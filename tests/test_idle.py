@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import shmvec
+from shmvec import _core
 from shmvec.spin import (
     MANY_CORES_SPIN_CAP_NS,
     NO_SPIN,
@@ -105,18 +106,25 @@ def test_default_spin_policy_by_cores():
     assert default_spin(5, cpus=4) == SpinPolicy(main=NO_SPIN, worker=fixed)
 
 
-def test_spin_reaches_the_core_as_one_signed_integer():
-    # csrc/wait_policy.h: a fixed spin as itself, an adaptive one as -cap.
-    assert Spin(50_000, adaptive=False).core_ns() == 50_000
-    assert Spin(200_000, adaptive=True).core_ns() == -200_000
-    assert NO_SPIN.core_ns() == 0
-    policy = SpinPolicy(main=NO_SPIN, worker=Spin(200_000, adaptive=True))
-    assert (policy.main.core_ns(), policy.worker.core_ns()) == (0, -200_000)
+def test_a_spin_is_set_on_the_object_its_waiter_waits_on():
+    # csrc/wait_policy.h: each waiter's barrier, ring or doorbell keeps its spin;
+    # the waits themselves take none.
+    class Waiter:
+        def set_spin(self, cap_ns, adaptive):
+            self.spin = (cap_ns, adaptive)
+
+    waiter = Waiter()
+    Spin(200_000, adaptive=True).apply(waiter)
+    assert waiter.spin == (200_000, True)
+    NO_SPIN.apply(waiter)
+    assert waiter.spin == (0, False)
+    segment = _core.Segment.create(4096)
+    Spin(50_000, adaptive=False).apply(_core.Doorbell(segment, 64))  # the core takes it
     assert fixed_spin(20_000) == SpinPolicy(*[Spin(20_000, adaptive=False)] * 2)
     with pytest.raises(ValueError, match="spin_ns must be >= 0"):
         fixed_spin(-1)  # a user's spin_ns has no sign-encoded meaning
     with pytest.raises(ValueError, match=">= 0 ns"):
-        Spin(-5, adaptive=True).core_ns()
+        Spin(-5, adaptive=True).apply(waiter)
 
 
 def test_default_pinning_by_cores():

@@ -19,6 +19,7 @@ from shmvec import _core
 from shmvec.in_process import LoopbackPipe
 from shmvec.layout import RESULT_COLUMNS, make_layout
 from shmvec.protocol import AUTORESET_NEXT_STEP, CALL, CLOSE, ENV_IDLE, ENV_STEP, STEP
+from shmvec.spin import NO_SPIN
 from shmvec.wires import EnvRecovery, RoundRecovery, recovery_plan
 from shmvec.worker import Worker, WorkerSpec, make_envs
 
@@ -58,7 +59,7 @@ def make_worker(num_envs=4, first_env=0, num_workers=1, batch_size=None):
         num_envs=num_envs, num_workers=num_workers, num_slots=2,
         batch_size=batch_size or num_envs, observation_space=CountingEnv.observation_space,
         action_space=CountingEnv.action_space, observation_mode="same", shared_memory=True,
-        autoreset_mode=AUTORESET_NEXT_STEP, spin_ns=0, main_pid=os.getpid(),
+        autoreset_mode=AUTORESET_NEXT_STEP, spin=NO_SPIN, main_pid=os.getpid(),
         use_death_signal=False, env_concurrency=1,
     )  # fmt: skip
     layout = make_layout(spec)
@@ -73,7 +74,7 @@ def test_finish_round_publishes_and_arrives_before_it_sends():
     worker, barrier, _segment, _layout = make_worker()
     block = worker.block
     barrier.post(CALL, 0)
-    block.generation = block.barrier.wait_command(block.generation, 0, 0)[0]
+    block.generation = block.barrier.wait_command(block.generation, 0)[0]
     seen = []
 
     def send(message):  # what the main process can see when the message goes out
@@ -86,14 +87,14 @@ def test_finish_round_publishes_and_arrives_before_it_sends():
     assert block.finished[0] == block.generation == barrier.generation
     assert block.current_env[0] == 0
     assert block.busy_ns[0] >= 1_000_000
-    assert barrier.wait_done(0, 0)
+    assert barrier.wait_done(0)
 
     block.flag[0] = 0
     barrier.post(CALL, 0)
-    block.generation = block.barrier.wait_command(block.generation, 0, 0)[0]
+    block.generation = block.barrier.wait_command(block.generation, 0)[0]
     block.finish_round({}, time.perf_counter_ns())  # nothing to send
     assert len(seen) == 1 and block.flag[0] == 0
-    assert barrier.wait_done(0, 0) and barrier.messages() == 0
+    assert barrier.wait_done(0) and barrier.messages() == 0
 
 
 def test_serve_rounds_runs_step_rounds_and_hands_back_other_commands():
@@ -102,19 +103,19 @@ def test_serve_rounds_runs_step_rounds_and_hands_back_other_commands():
     slot = worker.slot_views[1]
     worker.action_views[0][:] = [2, 0, 1, 2]
     barrier.post(STEP, 1)  # ring slot 1
-    assert block.serve_rounds(0, 0, 10) == (1, None)  # then the next wait times out
-    assert barrier.wait_done(0, 0)
+    assert block.serve_rounds(0, 10) == (1, None)  # then the next wait times out
+    assert barrier.wait_done(0)
     assert slot.rewards.tolist() == [2.0, 0.0, 1.0, 2.0]
     assert slot.obs[0].tolist() == [[i, 1.0] for i in range(4)]
 
     barrier.post(STEP, 1)
-    assert block.serve_rounds(0, -1, 1) == (1, None)  # max_rounds, no wait after
-    assert barrier.wait_done(0, 0)
+    assert block.serve_rounds(-1, 1) == (1, None)  # max_rounds, no wait after
+    assert barrier.wait_done(0)
     assert slot.obs[0][:, 1].tolist() == [2.0] * 4
 
     before = block.generation
     barrier.post(CALL, 0)
-    ran, command = block.serve_rounds(0, 0, 10)
+    ran, command = block.serve_rounds(0, 10)
     assert (ran, command) == (0, (barrier.generation, CALL, 0))
     assert block.generation == before  # the caller runs that command
 
@@ -199,10 +200,10 @@ def test_one_serve_loop_runs_sync_rounds_until_close():
     worker.action_views[0][:] = 1
     for _ in range(3):
         barrier.post(STEP, 0)
-        assert barrier.wait_done(0, HUNG_NS)
+        assert barrier.wait_done(HUNG_NS)
     assert worker.slot_views[0].obs[0].tolist() == [[i, 3.0] for i in range(4)]
     barrier.post(CLOSE, 0)
-    assert barrier.wait_done(0, HUNG_NS)
+    assert barrier.wait_done(HUNG_NS)
     thread.join(HUNG_NS / 1e9)
     assert not thread.is_alive()
 
@@ -216,11 +217,11 @@ def test_one_serve_loop_runs_async_envs_until_close():
     worker.action_views[0][:] = [2, 0, 1, 0]
     commands[[0, 2]] = ENV_STEP  # the command, then the ring (shmvec/protocol.py)
     doorbell.ring()
-    assert ring.wait_full(0, 0, HUNG_NS)
+    assert ring.wait_full(0, HUNG_NS)
     slot = worker.slot_views[0]
     assert sorted(zip(slot.env_ids.tolist(), slot.rewards.tolist())) == [(0, 2.0), (2, 1.0)]
     barrier.post(CLOSE, 0)
     doorbell.ring()
-    assert barrier.wait_done(0, HUNG_NS)
+    assert barrier.wait_done(HUNG_NS)
     thread.join(HUNG_NS / 1e9)
     assert not thread.is_alive()

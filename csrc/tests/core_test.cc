@@ -224,6 +224,12 @@ constexpr uint32_t kCmdWork = 1;
 constexpr uint32_t kCmdStop = 2;
 constexpr int kMaxWorkers = 8;
 
+// How a scenario's waiters spin (each sets it on its own objects).
+struct SpinCase {
+  int64_t cap_ns;
+  bool adaptive;
+};
+
 // What the barrier scenario puts in the segment after the header.
 struct BarrierArea {
   BarrierWords words;
@@ -231,12 +237,13 @@ struct BarrierArea {
   int64_t result[kMaxWorkers];  // plain: written by worker i before arrive()
 };
 
-void barrier_worker(BarrierArea* area, int index, int num_workers, int64_t spin_ns) {
+void barrier_worker(BarrierArea* area, int index, int num_workers, SpinCase spin) {
   StepBarrier barrier(&area->words, uint32_t(num_workers));
+  barrier.set_spin(spin.cap_ns, spin.adaptive);
   uint32_t last = 0;
   for (uint32_t expected_arg = 0;; ++expected_arg) {
     Command cmd{};
-    WaitStatus s = barrier.wait_command(last, spin_ns, kWaitLimit, &cmd);
+    WaitStatus s = barrier.wait_command(last, kWaitLimit, &cmd);
     CHECK(s == WaitStatus::kReady);
     CHECK(cmd.generation == last + 1);  // main posts only after a full round
     last = cmd.generation;
@@ -251,18 +258,19 @@ void barrier_worker(BarrierArea* area, int index, int num_workers, int64_t spin_
 // One main and `num_workers` workers run `rounds` generations; every round
 // checks that all workers arrived (no lost wake-up either way: a lost one is
 // a kTimedOut) and saw this round's actions, and that main sees their results.
-void test_barrier(Peers how, int num_workers, int64_t spin_ns, uint32_t rounds) {
+void test_barrier(Peers how, int num_workers, SpinCase spin, uint32_t rounds) {
   CHECK(num_workers <= kMaxWorkers);
   Segment seg = Segment::create(sizeof(SegmentHeader) + sizeof(BarrierArea) + 64);
   auto* area = new (seg.data() + 64) BarrierArea;  // the segment is zero-filled
   StepBarrier barrier(&area->words, uint32_t(num_workers));
+  barrier.set_spin(spin.cap_ns, spin.adaptive);
   const int fd = seg.fd();
 
   auto main_side = [&] {
     for (uint32_t r = 0; r < rounds; ++r) {
       for (int i = 0; i < num_workers; ++i) area->action[i] = int64_t(r) * 3 + i;
       barrier.post(kCmdWork, r);
-      WaitStatus s = barrier.wait_done(spin_ns, kWaitLimit);
+      WaitStatus s = barrier.wait_done(kWaitLimit);
       if (s != WaitStatus::kReady) {
         std::fprintf(stderr, "round %u: %u of %d arrived\n", r, barrier.arrived(),
                      num_workers);
@@ -277,12 +285,12 @@ void test_barrier(Peers how, int num_workers, int64_t spin_ns, uint32_t rounds) 
   };
   auto peer = [&](int i) {
     if (how == Peers::kThreads) {
-      barrier_worker(area, i, num_workers, spin_ns);
+      barrier_worker(area, i, num_workers, spin);
     } else {
       // A worker process maps the segment itself, as shmvec's workers do.
       Segment mine = Segment::attach(fd);
       barrier_worker(reinterpret_cast<BarrierArea*>(mine.data() + 64), i, num_workers,
-                     spin_ns);
+                     spin);
     }
   };
   run_with_peers(how, num_workers, peer, main_side);
@@ -295,18 +303,19 @@ void test_barrier_timeouts() {
   StepBarrier barrier(words, 2);
   barrier.post(kCmdWork, 0);
   int64_t t0 = monotonic_ns();
-  CHECK(barrier.wait_done(0, 20 * kMs) == WaitStatus::kTimedOut);
+  CHECK(barrier.wait_done(20 * kMs) == WaitStatus::kTimedOut);
   CHECK(monotonic_ns() - t0 >= 20 * kMs);
   barrier.arrive();  // one of two: still pending
   CHECK(barrier.arrived() == 1);
-  CHECK(barrier.wait_done(100000, 10 * kMs) == WaitStatus::kTimedOut);
+  barrier.set_spin(100000, false);  // a timeout shorter than the spin ends it too
+  CHECK(barrier.wait_done(10 * kMs) == WaitStatus::kTimedOut);
   barrier.arrive();
-  CHECK(barrier.wait_done(0, 0) == WaitStatus::kReady);
+  CHECK(barrier.wait_done(0) == WaitStatus::kReady);
   // A worker that saw the current generation waits in vain.
   Command cmd{};
-  CHECK(barrier.wait_command(barrier.generation(), 0, 10 * kMs, &cmd) ==
+  CHECK(barrier.wait_command(barrier.generation(), 10 * kMs, &cmd) ==
         WaitStatus::kTimedOut);
-  CHECK(barrier.wait_command(barrier.generation() - 1, 0, 0, &cmd) == WaitStatus::kReady);
+  CHECK(barrier.wait_command(barrier.generation() - 1, 0, &cmd) == WaitStatus::kReady);
   CHECK(cmd.generation == 1 && cmd.kind == kCmdWork && cmd.arg == 0);
 }
 
@@ -320,17 +329,18 @@ struct PingPongArea {
 
 // Main rings the peer, the peer rings back; `rounds` hand-offs each way with
 // a payload that each side increments (a lost ring is a kTimedOut).
-void test_doorbell(Peers how, int64_t spin_ns, uint32_t rounds) {
+void test_doorbell(Peers how, SpinCase spin, uint32_t rounds) {
   Segment seg = Segment::create(4096);
   auto* area = new (seg.data() + 64) PingPongArea;
   const int fd = seg.fd();
   auto main_side = [&] {
     Doorbell to_peer(&area->to_peer), to_main(&area->to_main);
+    to_main.set_spin(spin.cap_ns, spin.adaptive);
     uint32_t seen = 0;
     for (uint32_t r = 0; r < rounds; ++r) {
       area->payload = 2 * int64_t(r);
       to_peer.ring();
-      WaitStatus s = to_main.wait(seen, spin_ns, kWaitLimit, &seen);
+      WaitStatus s = to_main.wait(seen, kWaitLimit, &seen);
       CHECK(s == WaitStatus::kReady);
       CHECK(seen == r + 1);
       CHECK(area->payload == 2 * int64_t(r) + 1);
@@ -338,9 +348,10 @@ void test_doorbell(Peers how, int64_t spin_ns, uint32_t rounds) {
   };
   auto pong = [&](PingPongArea* a) {
     Doorbell to_peer(&a->to_peer), to_main(&a->to_main);
+    to_peer.set_spin(spin.cap_ns, spin.adaptive);
     uint32_t seen = 0;
     for (uint32_t r = 0; r < rounds; ++r) {
-      WaitStatus s = to_peer.wait(seen, spin_ns, kWaitLimit, &seen);
+      WaitStatus s = to_peer.wait(seen, kWaitLimit, &seen);
       CHECK(s == WaitStatus::kReady);
       CHECK(seen == r + 1);
       CHECK(a->payload == 2 * int64_t(r));
@@ -361,7 +372,7 @@ void test_doorbell(Peers how, int64_t spin_ns, uint32_t rounds) {
   // Nobody rings: a timeout, and *out is the count seen.
   Doorbell bell(&area->to_peer);
   uint32_t out = 12345;
-  CHECK(bell.wait(rounds, 0, 10 * kMs, &out) == WaitStatus::kTimedOut);
+  CHECK(bell.wait(rounds, 10 * kMs, &out) == WaitStatus::kTimedOut);
   CHECK(out == rounds);
 }
 
@@ -392,15 +403,16 @@ struct RingArea {
   RingRow rows[kRingSlots][kRingBatch];         // plain: the claimer -> main
 };
 
-void ring_worker(RingArea* area, int index, int num_workers, int64_t spin_ns) {
+void ring_worker(RingArea* area, int index, int num_workers, SpinCase spin) {
   ResultRing ring(area->ring_words, kRingSlots, kRingBatch);
   Doorbell bell(&area->bells[index]);
+  bell.set_spin(spin.cap_ns, spin.adaptive);
   const uint32_t per_worker = kRingEnvs / uint32_t(num_workers);
   const uint32_t first = uint32_t(index) * per_worker;
   std::vector<uint32_t> done_seq(per_worker, 0);
   uint32_t rings = 0;
   for (;;) {
-    WaitStatus s = bell.wait(rings, spin_ns, kWaitLimit, &rings);
+    WaitStatus s = bell.wait(rings, kWaitLimit, &rings);
     CHECK(s == WaitStatus::kReady);
     if (area->stop.load(std::memory_order_acquire) != 0) return;
     for (uint32_t k = 0; k < per_worker; ++k) {
@@ -420,7 +432,7 @@ void ring_worker(RingArea* area, int index, int num_workers, int64_t spin_ns) {
   }
 }
 
-void test_ring(Peers how, int num_workers, int64_t spin_ns, uint32_t batches) {
+void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches) {
   CHECK(num_workers <= kMaxWorkers && kRingEnvs % uint32_t(num_workers) == 0);
   Segment seg = Segment::create(64 + sizeof(RingArea));
   auto* area = new (seg.data() + 64) RingArea;
@@ -429,6 +441,7 @@ void test_ring(Peers how, int num_workers, int64_t spin_ns, uint32_t batches) {
 
   auto main_side = [&] {
     ResultRing ring(area->ring_words, kRingSlots, kRingBatch);
+    ring.set_spin(spin.cap_ns, spin.adaptive);
     std::vector<uint32_t> sent(kRingEnvs, 0), received(kRingEnvs, 0);
     auto send = [&](const std::vector<uint32_t>& envs) {
       std::vector<bool> wake(num_workers, false);
@@ -448,7 +461,7 @@ void test_ring(Peers how, int num_workers, int64_t spin_ns, uint32_t batches) {
       const uint32_t slot = b % kRingSlots;
       // Like recv(): the previous slot goes back only when the next is asked for.
       if (b > 0) ring.release((b - 1) % kRingSlots);
-      WaitStatus s = ring.wait_full(slot, spin_ns, kWaitLimit);
+      WaitStatus s = ring.wait_full(slot, kWaitLimit);
       if (s != WaitStatus::kReady) {
         std::fprintf(stderr, "batch %u: slot %u has %u of %u rows\n", b, slot,
                      ring.filled(slot), kRingBatch);
@@ -481,10 +494,10 @@ void test_ring(Peers how, int num_workers, int64_t spin_ns, uint32_t batches) {
   };
   auto peer = [&](int i) {
     if (how == Peers::kThreads) {
-      ring_worker(area, i, num_workers, spin_ns);
+      ring_worker(area, i, num_workers, spin);
     } else {
       Segment mine = Segment::attach(fd);
-      ring_worker(reinterpret_cast<RingArea*>(mine.data() + 64), i, num_workers, spin_ns);
+      ring_worker(reinterpret_cast<RingArea*>(mine.data() + 64), i, num_workers, spin);
     }
   };
   run_with_peers(how, num_workers, peer, main_side);
@@ -500,11 +513,11 @@ void run_case(const char* name, const std::function<void()>& body) {
 // The learning rule of AdaptiveSpin (csrc/wait_policy.h), step by step.
 void test_adaptive_spin() {
   constexpr int64_t kUs = 1000;
-  AdaptiveSpin never(0);
+  AdaptiveSpin never(0, true);
   never.learn(WaitOutcome{100 * kUs, true, false});
   CHECK(never.budget_ns() == 0);  // cap 0: never spins, whatever it sees
 
-  AdaptiveSpin a(200 * kUs);
+  AdaptiveSpin a(200 * kUs, true);
   CHECK(a.budget_ns() == 50 * kUs);              // starts at the fixed spin it replaced
   a.learn(WaitOutcome{120 * kUs, true, false});  // slept through a gap within the cap
   CHECK(a.budget_ns() == 180 * kUs);             // grown to 1.5x that gap
@@ -521,9 +534,12 @@ void test_adaptive_spin() {
   a.learn(WaitOutcome{30 * kUs, true, false});
   CHECK(a.budget_ns() == 45 * kUs);  // and back when the rounds resume
 
-  int64_t spin = spin_for(a, -100 * kUs);  // a new cap from the caller restarts it
-  CHECK(a.cap_ns() == 100 * kUs && spin == 50 * kUs);
-  CHECK(spin_for(a, 7 * kUs) == 7 * kUs);  // >= 0: the caller's fixed spin
+  a.set(100 * kUs, true);  // a new cap restarts it
+  CHECK(a.cap_ns() == 100 * kUs && a.budget_ns() == 50 * kUs);
+  AdaptiveSpin fixed(7 * kUs,
+                     false);  // fixed: every wait spins the cap, whatever it sees
+  fixed.learn(WaitOutcome{250 * kMs, true, true});
+  CHECK(fixed.budget_ns() == 7 * kUs);
 }
 
 }  // namespace
@@ -539,27 +555,28 @@ int main(int argc, char** argv) {
   // Thousands of generations per scenario (ring: batches of 8 rows, so 4x);
   // --quick for the plain build's pytest.
   const uint32_t n = quick ? 500 : 5000;
-  const int64_t spin = 20000;  // 20 us: both the spin and the sleep paths run
+  const SpinCase sleep{0, false};
+  const SpinCase spin{20000, false};  // 20 us: both the spin and the sleep paths run
   const Peers threads = Peers::kThreads, procs = Peers::kProcesses;
   run_case("futex", test_futex);
   run_case("segment", test_segment);
   run_case("adaptive spin", test_adaptive_spin);
   run_case("barrier timeouts", test_barrier_timeouts);
-  run_case("barrier threads x3, sleep", [&] { test_barrier(threads, 3, 0, n); });
+  run_case("barrier threads x3, sleep", [&] { test_barrier(threads, 3, sleep, n); });
   run_case("barrier threads x4, spin", [&] { test_barrier(threads, 4, spin, n); });
-  run_case("doorbell threads, sleep", [&] { test_doorbell(threads, 0, n); });
+  run_case("doorbell threads, sleep", [&] { test_doorbell(threads, sleep, n); });
   run_case("doorbell threads, spin", [&] { test_doorbell(threads, spin, n); });
-  run_case("ring threads x3, sleep", [&] { test_ring(threads, 3, 0, 4 * n); });
+  run_case("ring threads x3, sleep", [&] { test_ring(threads, 3, sleep, 4 * n); });
   run_case("ring threads x4, spin", [&] { test_ring(threads, 4, spin, 4 * n); });
-  // Adaptive (a negative spin: its cap): budgets move between 0 and the cap.
-  const int64_t adaptive = -200000;
+  // Adaptive: budgets move between 0 and the cap.
+  const SpinCase adaptive{200000, true};
   run_case("barrier threads x3, adaptive",
            [&] { test_barrier(threads, 3, adaptive, n); });
   run_case("doorbell threads, adaptive", [&] { test_doorbell(threads, adaptive, n); });
   run_case("ring threads x3, adaptive", [&] { test_ring(threads, 3, adaptive, 4 * n); });
   if (fork_cases) {
-    run_case("barrier processes x3", [&] { test_barrier(procs, 3, 0, n); });
-    run_case("doorbell processes", [&] { test_doorbell(procs, 0, n); });
+    run_case("barrier processes x3", [&] { test_barrier(procs, 3, sleep, n); });
+    run_case("doorbell processes", [&] { test_doorbell(procs, sleep, n); });
     run_case("ring processes x2", [&] { test_ring(procs, 2, spin, 4 * n); });
     run_case("barrier processes x3, adaptive",
              [&] { test_barrier(procs, 3, adaptive, n); });

@@ -69,14 +69,15 @@ def build_engine(
         decoder = ResultDecoder(obs_codec, pool.slots, blocks, options.copy, leases)
         async_wire = None
         wire: Wire
+        spin.main.apply(pool.barrier)
         if spec.batch_size < spec.num_envs:  # before the workers: it marks ring rows unwritten
             wire = async_wire = AsyncWire(spec.batch_size, pool, decoder)
+            spin.main.apply(async_wire.ring)
         else:
             wire = SyncWire(pool)
         supervisor = Supervisor(
-            pool, decoder, stats, wire, spin.main.core_ns(), options.env_timeout,
-            options.restart_on_death,
-        )  # fmt: skip
+            pool, decoder, stats, wire, options.env_timeout, options.restart_on_death
+        )
         pool.spawn()
     except BaseException:
         pool.terminate()

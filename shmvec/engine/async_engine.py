@@ -219,15 +219,15 @@ class AsyncEngine:
         if timeout is None and supervisor.env_timeout is None:
             # The common case first: one wait, as RoundDriver.step_round does.
             waited = time.perf_counter()
-            full = self.ring.wait_full(slot, supervisor.main_spin_ns, LIVENESS_CHECK_NS)
+            full = self.ring.wait_full(slot, LIVENESS_CHECK_NS)
             self.stats.wait_s += time.perf_counter() - waited
             if full:
                 return
             self.pool.check_all_alive()
 
-        def ready(spin_ns: int, budget_ns: int) -> bool:
+        def ready(budget_ns: int) -> bool:
             self.supervisor.kill_stuck_workers(0.0)
-            return self.ring.wait_full(slot, spin_ns, budget_ns)
+            return self.ring.wait_full(slot, budget_ns)
 
         self.supervisor.wait_for(
             ready,

@@ -57,7 +57,6 @@ class RoundDriver:
         self.supervisor = supervisor
         self.decoder = decoder
         self.stats = stats
-        self.main_spin_ns = supervisor.main_spin_ns  # one attribute less to look up per step
         self.wire = wire
         self.wire_posted = wire.posted  # step_round's: one attribute less per step
         self.ring_depth = len(pool.slots)
@@ -144,7 +143,7 @@ class RoundDriver:
         if self.main_worker is not None:
             self.pool.run_main_worker()
         waited = time.perf_counter()
-        done = barrier.wait_done(self.main_spin_ns, LIVENESS_CHECK_NS)
+        done = barrier.wait_done(LIVENESS_CHECK_NS)
         self.stats.wait_s += time.perf_counter() - waited
         return done and not (barrier.messages() or self.recovered)
 
@@ -201,17 +200,17 @@ class RoundDriver:
         if supervisor.env_timeout is None:  # the common case first: one wait, no checks
             budget = LIVENESS_CHECK_S if timeout is None else min(timeout, LIVENESS_CHECK_S)
             waited = time.perf_counter()
-            done = self.barrier.wait_done(self.main_spin_ns, int(budget * 1e9))
+            done = self.barrier.wait_done(int(budget * 1e9))
             self.stats.wait_s += time.perf_counter() - waited
             if done:
                 return
         restarted: dict[int, WorkerDiedError] = {}
 
-        def ready(spin_ns: int, budget_ns: int) -> bool:
+        def ready(budget_ns: int) -> bool:
             supervisor.kill_stuck_workers(self.started, restarted.keys())
             if restarted:
                 return self.finished_except(restarted, budget_ns)
-            return self.barrier.wait_done(spin_ns, budget_ns)
+            return self.barrier.wait_done(budget_ns)
 
         while True:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)

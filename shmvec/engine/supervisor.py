@@ -35,7 +35,6 @@ class Supervisor:
         stats: counts the wait and the restarts.
         wire: the wire protocol, which says who is stuck and what a
             replacement restores.
-        main_spin_ns: how long the main process spins before it sleeps.
         env_timeout: seconds a worker may take (None: no limit).
         restart_on_death: ``on_worker_death="restart"``.
     """
@@ -46,7 +45,6 @@ class Supervisor:
         decoder: ResultDecoder,
         stats: Stats,
         wire: Wire,
-        main_spin_ns: int,
         env_timeout: float | None,
         restart_on_death: bool,
     ) -> None:
@@ -54,14 +52,13 @@ class Supervisor:
         self.decoder = decoder
         self.stats = stats
         self.wire = wire
-        self.main_spin_ns = main_spin_ns
         self.env_timeout = env_timeout
         self.restart_on_death = restart_on_death
 
     def wait_for(
-        self, ready: Callable[[int, int], bool], timeout: float | None, why: Callable[[], str]
+        self, ready: Callable[[int], bool], timeout: float | None, why: Callable[[], str]
     ) -> None:
-        """Calls ``ready(spin_ns, budget_ns)`` (a futex wait) until it returns True,
+        """Calls ``ready(budget_ns)`` (a futex wait) until it returns True,
         checking between calls that every worker lives; ``multiprocessing.TimeoutError``
         with ``why()`` after ``timeout`` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -71,7 +68,7 @@ class Supervisor:
                 budget = LIVENESS_CHECK_S
                 if deadline is not None:
                     budget = min(budget, max(deadline - time.monotonic(), 0.0))
-                if ready(self.main_spin_ns, int(budget * 1e9)):
+                if ready(int(budget * 1e9)):
                     return
                 self.pool.check_all_alive()
                 if deadline is not None and time.monotonic() >= deadline:
