@@ -37,8 +37,10 @@ Cases: ``cartpole-32`` (sync mode, default options), ``cpu100us-8`` (sync, as a
 share of the cores: ``steps/s / (cores * one env alone)``), ``noop-1`` (one
 no-op env: the median ``step`` time), ``wait5ms-16`` (16 envs whose step sleeps
 5 ms), ``wait20ms-256`` (256 envs whose step sleeps 20 ms: at most 12,800 steps/s),
-``cartpole-32-async`` (``batch_size=16``). Needs nothing beyond the
-project's ``bench`` extra (gymnasium).
+``cartpole-32-async`` (``batch_size=16``), ``cpu100us-8-async`` (``batch_size=4``)
+and ``cpu100us-8-async-policy`` (the same with a 200 us policy stand-in between
+``recv`` and ``send``). Needs nothing beyond the project's ``bench`` extra
+(gymnasium).
 """
 
 from __future__ import annotations
@@ -59,7 +61,12 @@ CASES = {
     "wait5ms-16": ("wait5ms", 16, None, "steps_per_s", "async"),
     "wait20ms-256": ("wait20ms", 256, None, "steps_per_s", None),
     "cartpole-32-async": ("cartpole", 32, 16, "steps_per_s", None),
+    "cpu100us-8-async": ("cpu100us", 8, 4, "steps_per_s", None),
+    "cpu100us-8-async-policy": ("cpu100us", 8, 4, "steps_per_s", None),
 }
+#: Cases whose loop runs a policy stand-in (shmvec_bench.policy.PolicyWait) of
+#: this many microseconds on every batch, between recv and send.
+POLICY_US = {"cpu100us-8-async-policy": 200}
 
 # Runs in the measuring process. One backend: warm up, time `seconds`. With
 # "sides" (interleaved mode): both sides' vector envs open at once, stepped in
@@ -69,12 +76,14 @@ CHILD = r"""
 import json, os, statistics, sys, time
 import numpy as np
 import gymnasium as gym
+from shmvec_bench.policy import PolicyWait
 from shmvec_bench.workloads import WORKLOADS
 
 spec = json.loads(sys.argv[1])
 fn = WORKLOADS[spec["workload"]]
 n, batch = spec["num_envs"], spec["batch"]
 actions = np.random.default_rng(0).integers(0, 2, size=(64, n))
+think = PolicyWait(spec["policy_us"]) if spec.get("policy_us") else (lambda: None)
 
 
 def open_backend(backend, kwargs, env_vars):
@@ -112,6 +121,7 @@ def open_backend(backend, kwargs, env_vars):
 
     def step(k):
         ids = env.recv()[-1]["env_id"]
+        think()
         env.send(actions[k, : len(ids)], ids)
         return len(ids)
 
@@ -226,7 +236,8 @@ def main() -> None:
         for case in args.cases:
             workload, n, batch, metric, peer = CASES[case]
             base = {"workload": workload, "num_envs": n, "batch": batch,
-                    "seconds": args.seconds, "warmup_s": args.warmup}  # fmt: skip
+                    "seconds": args.seconds, "warmup_s": args.warmup,
+                    "policy_us": POLICY_US.get(case, 0)}  # fmt: skip
             cells = []
             if peer == "single":  # the case's figure: a share of the cores
                 single = measure(sides["A"][0], {}, {**base, "backend": "single"})
@@ -258,7 +269,8 @@ def interleaved(args, sides: dict, cores: int) -> None:
     for case in args.cases:
         workload, n, batch, metric, peer = CASES[case]
         base = {"workload": workload, "num_envs": n, "batch": batch,
-                "seconds": args.seconds, "warmup_s": args.warmup}  # fmt: skip
+                "seconds": args.seconds, "warmup_s": args.warmup,
+                "policy_us": POLICY_US.get(case, 0)}  # fmt: skip
         per_side = {
             name: {"env": env, "kwargs": kwargs.get(case, {})}
             for name, (_, env, kwargs) in sides.items()

@@ -86,6 +86,5 @@ def build_engine(
     rounds = RoundDriver(pool, supervisor, decoder, stats, wire)
     async_engine = None
     if async_wire is not None:
-        handoff = spin.main.cap_ns == 0
-        async_engine = AsyncEngine(async_wire, pool, supervisor, decoder, stats, rounds, handoff)
+        async_engine = AsyncEngine(async_wire, pool, supervisor, decoder, stats, rounds)
     return Engine(pool, decoder, supervisor, rounds, async_engine)
