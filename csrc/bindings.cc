@@ -218,7 +218,10 @@ exposed for tests; the workers call them from Cython.
           py::arg("cap_ns"), py::arg("adaptive"), kSetSpinDoc)
       .def("filled", [](PyRing& r, uint32_t slot) { return r.ring.filled(slot); })
       .def("claimed", [](PyRing& r) { return r.ring.claimed(); })
-      .def("release", [](PyRing& r, uint32_t slot) { r.ring.release(slot); });
+      .def("release", [](PyRing& r, uint32_t slot) { r.ring.release(slot); })
+      .def(
+          "set_handoff", [](PyRing& r, bool on) { r.ring.set_handoff(on); },
+          py::arg("on"), "Whether the worker that wakes main then yields its core.");
 
   py::class_<PyDoorbell>(m, "Doorbell", "A worker's doorbell (csrc/result_ring.h).")
       .def(py::init<py::object, size_t>(), py::arg("segment"), py::arg("offset"))

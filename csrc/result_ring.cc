@@ -1,5 +1,7 @@
 #include "result_ring.h"
 
+#include <sched.h>
+
 #include <climits>
 
 namespace shmvec {
@@ -19,6 +21,9 @@ void ResultRing::publish(uint32_t slot) noexcept {
   if (now == batch_size_ &&
       header_->main_sleeping.value.load(std::memory_order_seq_cst) != 0) {
     futex_wake(&filled_[slot].value, 1);
+    if (header_->main_handoff.value.load(std::memory_order_relaxed) != 0) {
+      sched_yield();
+    }
   }
 }
 
@@ -27,6 +32,10 @@ WaitStatus ResultRing::wait_full(uint32_t slot, int64_t timeout_ns) noexcept {
   return adaptive_wait(
       filled_[slot].value, header_->main_sleeping.value,
       [target](uint32_t filled) { return filled >= target; }, spin_, timeout_ns);
+}
+
+void ResultRing::set_handoff(bool on) noexcept {
+  header_->main_handoff.value.store(on ? 1 : 0, std::memory_order_relaxed);
 }
 
 uint32_t ResultRing::filled(uint32_t slot) const noexcept {

@@ -32,6 +32,7 @@ struct alignas(64) RingHeader {
   std::atomic<uint64_t> claimed;  // rows claimed so far (never wraps in practice)
   char pad0[64 - sizeof(std::atomic<uint64_t>)];
   PaddedWord main_sleeping;  // main inside futex_wait on some `filled`
+  PaddedWord main_handoff;   // nonzero: the worker that wakes main yields (set_handoff)
 };
 
 struct RowRef {
@@ -55,8 +56,12 @@ class ResultRing {
   // [worker] The next free row, in arrival order.
   RowRef claim() noexcept;
   // [worker] Makes a claimed row's results visible; the last row of a slot
-  // wakes the main process.
+  // wakes the main process (and yields, if main asked: set_handoff).
   void publish(uint32_t slot) noexcept;
+  // [main] Whether the worker that wakes main should then yield its core, so
+  // that main, if the scheduler put it there, runs at once instead of after
+  // that worker's next envs.
+  void set_handoff(bool on) noexcept;
   // [main] Waits until `slot` holds batch_size published rows.
   WaitStatus wait_full(uint32_t slot, int64_t timeout_ns) noexcept;
   // [main] How wait_full spins (csrc/wait_policy.h). Default: no spin.

@@ -526,3 +526,45 @@ def test_unpicklable_info_is_an_error_not_a_hang():
             *_, infos = envs.recv(timeout=30)
             envs.send(np.zeros(2, dtype=np.int64), infos["env_id"])
     envs.close()
+
+
+def _turns(envs, think, turns: int) -> bool:
+    """``turns`` recv/think/send rounds; whether main then asks for its waker's core."""
+    for _ in range(turns):
+        *_, infos = envs.recv()
+        think()
+        envs.send(np.zeros(len(infos["env_id"]), dtype=np.int64), infos["env_id"])
+    return envs._async.handoff
+
+
+def _burn(seconds: float) -> None:
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+def test_main_asks_for_its_wakers_core_only_while_its_turns_wait():
+    """A main that sleeps in recv (spin_ns=0) has the waking worker yield to it
+    when it blocked between two recv()s and used under half the time (a policy
+    on a GPU); not when it computed through its turn."""
+    from shmvec.engine.async_engine import HANDOFF_SAMPLE
+
+    envs = shmvec.ShmVectorEnv(
+        [lambda: gym.make("CartPole-v1")] * 4, batch_size=2, num_workers=2, spin_ns=0
+    )
+    try:
+        envs.async_reset(seed=0)
+        turns = 2 * HANDOFF_SAMPLE + 1
+        assert _turns(envs, lambda: time.sleep(0.002), turns) is True
+        assert _turns(envs, lambda: _burn(0.002), turns) is False
+        assert _turns(envs, lambda: time.sleep(0.002), turns) is True
+    finally:
+        envs.close()
+    spinning = shmvec.ShmVectorEnv(  # main spins: it is never asleep to be woken
+        [lambda: gym.make("CartPole-v1")] * 4, batch_size=2, num_workers=2, spin_ns=50_000
+    )
+    try:
+        spinning.async_reset(seed=0)
+        assert _turns(spinning, lambda: time.sleep(0.002), 2 * HANDOFF_SAMPLE + 1) is False
+    finally:
+        spinning.close()

@@ -554,11 +554,14 @@ def _publish_rows(fd: int, rows: int, num_slots: int, batch: int) -> None:
         ring.publish(slot)
 
 
-def test_result_ring_fills_each_slot_exactly_once_under_contention():
-    """Workers claim rows concurrently; each slot fills with batch rows and wakes main."""
+@pytest.mark.parametrize("handoff", [False, True])
+def test_result_ring_fills_each_slot_exactly_once_under_contention(handoff):
+    """Workers claim rows concurrently; each slot fills with batch rows and wakes
+    main (also when the waker then yields its core: ``set_handoff``)."""
     num_slots, batch, workers, per_worker = 3, 4, 3, 4  # 12 rows: one lap of the ring
     segment = _core.Segment.create(4096)
     ring = _core.ResultRing(segment, RING_OFFSET, num_slots, batch)
+    ring.set_handoff(handoff)
     ctx = multiprocessing.get_context("fork")
     procs = [
         ctx.Process(target=_publish_rows, args=(segment.fd, per_worker, num_slots, batch))

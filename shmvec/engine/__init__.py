@@ -86,5 +86,6 @@ def build_engine(
     rounds = RoundDriver(pool, supervisor, decoder, stats, wire)
     async_engine = None
     if async_wire is not None:
-        async_engine = AsyncEngine(async_wire, pool, supervisor, decoder, stats, rounds)
+        handoff = spin.main.cap_ns == 0
+        async_engine = AsyncEngine(async_wire, pool, supervisor, decoder, stats, rounds, handoff)
     return Engine(pool, decoder, supervisor, rounds, async_engine)

@@ -12,6 +12,7 @@ Who may call what: the main process's one thread.
 
 from __future__ import annotations
 
+import resource
 import time
 from typing import Any
 
@@ -28,6 +29,10 @@ from shmvec.engine.supervisor import Supervisor
 from shmvec.errors import WorkerDiedError
 from shmvec.protocol import ENV_RESET, LIVENESS_CHECK_NS, LIVENESS_CHECK_S
 
+#: The batch's waker yields its core to main after turns main blocked in, on a CPU < this share.
+HANDOFF_MAX_CPU_SHARE = 0.5  # measurements: docs/design/heuristics.md, "Async core-yield"
+HANDOFF_SAMPLE = 8  # main measures one turn in this many (two getrusage calls)
+
 
 class AsyncEngine:
     """The async API (``async_reset``, ``send``, ``recv``) of one vector env.
@@ -40,6 +45,9 @@ class AsyncEngine:
         stats: counts results.
         rounds: the barrier rounds, whose ``before_slot_reuse`` hook runs
             before a ring slot is handed back to the workers.
+        handoff: decide, from main's sampled turns, whether main asks for its
+            waker's core (``HANDOFF_MAX_CPU_SHARE``); for a main that sleeps in
+            ``recv``.
     """
 
     #: How often ``recv`` checks that every worker lives when it need not wait
@@ -54,6 +62,7 @@ class AsyncEngine:
         decoder: ResultDecoder,
         stats: Stats,
         rounds: RoundDriver,
+        handoff: bool = False,
     ) -> None:
         self.wire, self.pool, self.supervisor = wire, pool, supervisor
         self.decoder, self.stats, self.rounds = decoder, stats, rounds
@@ -68,6 +77,10 @@ class AsyncEngine:
         self.held_slot: int | None = None
         self.last_env_ids: np.ndarray | None = None
         self.liveness_checked = time.monotonic()
+        self.decides_handoff = handoff
+        self.handoff = False
+        self.turns = 0  # recv() calls returned
+        self.turn_started: tuple | None = None  # main's clocks at a sampled recv's return
 
     # --------------------------------------------------------------- commands
 
@@ -132,6 +145,8 @@ class AsyncEngine:
                 f"recv() waits for batch_size={self.batch_size} results but only {self.in_flight} "
                 "envs are running: send() actions first"
             )
+        if self.decides_handoff:
+            self._decide_handoff()
         if self.held_slot is not None:
             self.rounds.before_slot_reuse(self.held_slot)
             self.wire.release_slot(self.held_slot)
@@ -167,12 +182,30 @@ class AsyncEngine:
         if "env_error" in infos:
             self.stats.note_env_resets(infos, env_ids)
         infos["env_id"] = env_ids
+        self.turns += 1
+        if self.decides_handoff and self.turns % HANDOFF_SAMPLE == 0:
+            self.turn_started = (time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD))
         return (obs, *decoder.outcomes(slot), infos)
 
     def _worker_rows(self, env_ids: np.ndarray) -> list[np.ndarray]:
         """Per worker, the rows of this batch that it wrote."""
         workers = self.wire.env_worker[env_ids]
         return [np.flatnonzero(workers == index) for index in range(self.pool.num_workers)]
+
+    def _decide_handoff(self) -> None:
+        """Sets the ring's hand-off from main's last turn (``HANDOFF_MAX_CPU_SHARE``)."""
+        if self.turn_started is None:
+            return
+        wall, before = self.turn_started
+        self.turn_started = None
+        now = resource.getrusage(resource.RUSAGE_THREAD)
+        cpu_s = now.ru_utime + now.ru_stime - before.ru_utime - before.ru_stime
+        handoff = now.ru_nvcsw > before.ru_nvcsw and cpu_s < HANDOFF_MAX_CPU_SHARE * (
+            time.perf_counter() - wall
+        )
+        if handoff != self.handoff:
+            self.handoff = handoff
+            self.ring.set_handoff(handoff)
 
     def _check_workers_now_and_then(self) -> None:
         now = time.monotonic()
