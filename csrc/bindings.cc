@@ -38,6 +38,14 @@ constexpr const char* kSetSpinDoc =
     "How this process's waits on the object spin before they sleep: up to cap_ns, "
     "learning from the gaps seen if adaptive (csrc/wait_policy.h). Default: no spin.";
 
+// set_spin of the waiter (barrier, ring or doorbell) that a bound object holds.
+template <class Py, class Waiter>
+auto set_spin_of(Waiter Py::*waiter) {
+  return [waiter](Py& self, int64_t cap_ns, bool adaptive) {
+    (self.*waiter).set_spin(cap_ns, adaptive);
+  };
+}
+
 void check_wait(WaitStatus status) {
   if (status == WaitStatus::kError) {
     throw std::system_error(errno, std::generic_category(), "futex wait");
@@ -150,12 +158,8 @@ timeout waits for ever.
             return s == WaitStatus::kReady;
           },
           py::arg("timeout_ns"), "True once every worker arrived, False on timeout.")
-      .def(
-          "set_spin",
-          [](PyBarrier& b, int64_t cap_ns, bool adaptive) {
-            b.barrier.set_spin(cap_ns, adaptive);
-          },
-          py::arg("cap_ns"), py::arg("adaptive"), kSetSpinDoc)
+      .def("set_spin", set_spin_of(&PyBarrier::barrier), py::arg("cap_ns"),
+           py::arg("adaptive"), kSetSpinDoc)
       .def("arrived", [](PyBarrier& b) { return b.barrier.arrived(); })
       .def(
           "messages", [](PyBarrier& b) { return b.barrier.messages(); },
@@ -210,12 +214,8 @@ exposed for tests; the workers call them from Cython.
           },
           py::arg("slot"), py::arg("timeout_ns"),
           "True once the slot is full, False on timeout.")
-      .def(
-          "set_spin",
-          [](PyRing& r, int64_t cap_ns, bool adaptive) {
-            r.ring.set_spin(cap_ns, adaptive);
-          },
-          py::arg("cap_ns"), py::arg("adaptive"), kSetSpinDoc)
+      .def("set_spin", set_spin_of(&PyRing::ring), py::arg("cap_ns"), py::arg("adaptive"),
+           kSetSpinDoc)
       .def("filled", [](PyRing& r, uint32_t slot) { return r.ring.filled(slot); })
       .def("claimed", [](PyRing& r) { return r.ring.claimed(); })
       .def("release", [](PyRing& r, uint32_t slot) { r.ring.release(slot); })
@@ -242,12 +242,8 @@ exposed for tests; the workers call them from Cython.
             return py::int_(seen);
           },
           py::arg("last"), py::arg("timeout_ns"))
-      .def(
-          "set_spin",
-          [](PyDoorbell& d, int64_t cap_ns, bool adaptive) {
-            d.bell.set_spin(cap_ns, adaptive);
-          },
-          py::arg("cap_ns"), py::arg("adaptive"), kSetSpinDoc);
+      .def("set_spin", set_spin_of(&PyDoorbell::bell), py::arg("cap_ns"),
+           py::arg("adaptive"), kSetSpinDoc);
 
   // Raw word operations, for tests of the futex layer across processes.
   m.def(

@@ -40,9 +40,6 @@ class AdaptiveSpin {
   // A gap beyond this many caps means idle: stop spinning at once.
   static constexpr int64_t kIdleCaps = 4;
 
-  AdaptiveSpin() noexcept = default;
-  AdaptiveSpin(int64_t cap_ns, bool adaptive) noexcept { set(cap_ns, adaptive); }
-
   // The longest spin (0: never spin). adaptive: the budget learns from the
   // gaps seen, starting at min(cap, 50 us); otherwise every wait spins cap_ns.
   void set(int64_t cap_ns, bool adaptive) noexcept {
@@ -51,7 +48,6 @@ class AdaptiveSpin {
     budget_ns_ = adaptive ? std::min<int64_t>(cap_ns_, 50'000) : cap_ns_;
   }
   int64_t cap_ns() const noexcept { return cap_ns_; }
-  bool adaptive() const noexcept { return adaptive_; }
   int64_t budget_ns() const noexcept { return budget_ns_; }
 
   void learn(const WaitOutcome& o) noexcept {

@@ -17,7 +17,6 @@ import numpy as np
 
 from shmvec import _worker_loop
 from shmvec.protocol import ENV_RESET, RESET, SLOT_MASK, STEP
-from shmvec.spin import Spin
 
 
 @dataclass(frozen=True)
@@ -60,10 +59,7 @@ class SyncWire:
         self.block = worker.block
         self.serial = not worker.obs_codec.pickled
         self.command: tuple | None = None
-
-    def set_spin(self, spin: Spin) -> None:
-        """How the waits for a command spin."""
-        spin.apply(self.block.barrier)
+        self.waiter = self.block.barrier  # what wait_for_work sleeps on (its spin: Worker)
 
     def wait_for_work(self, timeout_ns: int) -> bool:
         """Waits for a command (running plain step rounds meanwhile); False if
@@ -149,10 +145,7 @@ class AsyncWire:
         self.reset_args: dict = {}
         block.take_reset_args = self.take_reset_args
         block.restart = self.restart_result
-
-    def set_spin(self, spin: Spin) -> None:
-        """How the waits for the doorbell spin."""
-        spin.apply(self.doorbell)
+        self.waiter = self.doorbell  # what wait_for_work sleeps on (its spin: Worker)
 
     def wait_for_work(self, timeout_ns: int) -> bool:
         """Waits for the doorbell; False if the wait timed out."""

@@ -412,6 +412,29 @@ def test_env_timeout_kills_a_stuck_worker(policy):
         envs.close()
 
 
+class Napping(test_envs.CountingEnv):
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+def test_env_timeout_in_async_mode_times_a_call_from_its_start():
+    """A call that takes less than env_timeout, made after the workers sat idle
+    for longer than it, is not taken for stuck (its env's clock starts with it)."""
+    fns = test_envs.class_fns(Napping, 4)
+    envs = ShmVectorEnv(fns, num_workers=2, batch_size=2, env_timeout=1.0)
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(4):
+            ids = envs.recv()[4]["env_id"]
+            envs.send(np.ones(len(ids), dtype=np.int64), ids)
+        time.sleep(1.5)  # every env's last step began long before env_timeout
+        assert envs.call("nap", 0.2) == (0.2,) * 4  # main checks the workers meanwhile
+        assert envs.stats()["worker_restarts"] == 0
+    finally:
+        envs.close()
+
+
 @pytest.mark.parametrize("policy", ["restart", "raise"])
 def test_env_timeout_in_async_mode_times_each_env(policy):
     """Env 3 hangs; the other envs keep filling batches, and env 3's worker is

@@ -513,11 +513,13 @@ void run_case(const char* name, const std::function<void()>& body) {
 // The learning rule of AdaptiveSpin (csrc/wait_policy.h), step by step.
 void test_adaptive_spin() {
   constexpr int64_t kUs = 1000;
-  AdaptiveSpin never(0, true);
+  AdaptiveSpin never;
+  never.set(0, true);
   never.learn(WaitOutcome{100 * kUs, true, false});
   CHECK(never.budget_ns() == 0);  // cap 0: never spins, whatever it sees
 
-  AdaptiveSpin a(200 * kUs, true);
+  AdaptiveSpin a;
+  a.set(200 * kUs, true);
   CHECK(a.budget_ns() == 50 * kUs);              // starts at the fixed spin it replaced
   a.learn(WaitOutcome{120 * kUs, true, false});  // slept through a gap within the cap
   CHECK(a.budget_ns() == 180 * kUs);             // grown to 1.5x that gap
@@ -536,8 +538,8 @@ void test_adaptive_spin() {
 
   a.set(100 * kUs, true);  // a new cap restarts it
   CHECK(a.cap_ns() == 100 * kUs && a.budget_ns() == 50 * kUs);
-  AdaptiveSpin fixed(7 * kUs,
-                     false);  // fixed: every wait spins the cap, whatever it sees
+  AdaptiveSpin fixed;  // fixed: every wait spins the cap, whatever it sees
+  fixed.set(7 * kUs, false);
   fixed.learn(WaitOutcome{250 * kMs, true, true});
   CHECK(fixed.budget_ns() == 7 * kUs);
 }
