@@ -469,6 +469,16 @@ cdef class Block:
         if has_message:
             self.send(message)
 
+    cdef inline void _enter(self, Py_ssize_t row):
+        # env_started first: main reads current_env, then env_started (env_timeout).
+        if self.env_started is not None:
+            self.env_started[0] = _now_ns()
+        self.current_env[0] = row + 1
+
+    def enter_env(self, Py_ssize_t row):
+        """This worker is in env ``row`` from now on (async mode: since now)."""
+        self._enter(row)
+
     def serve_rounds(self, int64_t timeout_ns, Py_ssize_t max_rounds):
         """Sync mode: waits for commands after ``generation`` and runs them while
         they are plain STEP rounds (actions in the slab, observations in
@@ -532,9 +542,7 @@ cdef class Block:
             if command == ENV_IDLE:
                 continue
             env_id = self.first_row + i
-            if self.env_started is not None:
-                self.env_started[0] = _now_ns()
-            self.current_env[0] = env_id + 1
+            self._enter(env_id)
             self.commands[i] = ENV_IDLE  # before the publish: main may send again right after
             error = None
             try:

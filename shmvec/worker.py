@@ -308,9 +308,8 @@ class Worker:
         block.build_message = self.message
         self.inbox: dict[str, list] = {}  # main's messages read ahead of their turn
         self.wire: SyncWire | AsyncWire
-        self.env_started = None  # async mode: when the env in current_env began
         if async_mode:
-            block.env_started = self.env_started = layout.worker_env_started_ns(buffer)[line]
+            block.env_started = layout.worker_env_started_ns(buffer)[line]
             self.wire = AsyncWire(self, segment.address, layout, buffer)
         else:
             self.wire = SyncWire(self)
@@ -450,17 +449,10 @@ class Worker:
                 infos.append((self.rows[i], info))
         return self.message(infos, errors, obs_target)
 
-    def enter_env(self, row: int) -> None:
-        """Says that this worker is in env ``row`` from now on, for env_timeout
-        (in async mode, which times each env from its start)."""
-        if self.env_started is not None:  # first: main reads current_env, then this
-            self.env_started[0] = time.monotonic_ns()  # CLOCK_MONOTONIC, as the .pyx
-        self.current_env[0] = row + 1
-
     def call(self, name: str, args: tuple, kwargs: dict) -> dict:
         results, errors = [], []
         for env, row in zip(self.envs, self.rows):
-            self.enter_env(row)
+            self.block.enter_env(row)
             try:
                 value = env.get_wrapper_attr(name)
                 results.append(value(*args, **kwargs) if callable(value) else value)
@@ -472,7 +464,7 @@ class Worker:
     def set_attr(self, name: str, values: list) -> dict:
         errors = []
         for env, row, value in zip(self.envs, self.rows, values):
-            self.enter_env(row)
+            self.block.enter_env(row)
             try:
                 env.set_wrapper_attr(name, value)
             except Exception as exc:  # noqa: BLE001
