@@ -7,6 +7,7 @@ No test asserts a duration: a hang is caught by pytest-timeout instead.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import assert_same
+from rollout_envs import TaskEnv
 
 import shmvec.engine.async_engine
 import shmvec.layout
@@ -525,6 +527,38 @@ def test_on_env_error_reset_in_async_mode():
         # Env 2 fails again in each new episode (its second step): each is counted.
         errors = sum(error is not None for _, _, error in seen[2])
         assert errors >= 2 and envs.stats()["env_resets"] == errors
+    finally:
+        envs.close()
+
+
+def test_async_resets_after_a_restart_get_their_own_seeds():
+    """A replacement gets the reset arguments of the envs whose command is a
+    reset, and no earlier ones: every later reset of its envs starts from the
+    seed it was given (a stepping env's old arguments would be taken by its next
+    reset, and each reset after that would get the one before it)."""
+    slow = functools.partial(TaskEnv, wait_s=0.05, max_len=1000)
+    envs = ShmVectorEnv(
+        [slow] * 4, num_workers=2, batch_size=2, on_worker_death="restart", env_concurrency=2
+    )
+    alone = TaskEnv()
+    try:
+        envs.async_reset(seed=list(range(4)))
+        results = dict.fromkeys(range(4), 0)
+        while min(results.values()) < 3:  # every env has reset and is stepping now
+            _, _, _, _, infos = envs.recv()
+            for e in infos["env_id"].tolist():
+                results[e] += 1
+            envs.send(np.zeros(2, dtype=np.int64), infos["env_id"])
+        os.kill(envs._pool.workers[1].pid, signal.SIGKILL)  # in a 50 ms step, or about to be
+        idle = [e for _ in range(2) for e in envs.recv()[4]["env_id"].tolist()]
+        assert sorted(idle) == [0, 1, 2, 3]
+        for seed in (100, 200):
+            envs.async_reset(seed=[seed + e for e in range(4)], env_ids=np.arange(4))
+            for _ in range(2):
+                obs, _, _, _, infos = envs.recv()
+                for row, e in enumerate(infos["env_id"].tolist()):
+                    expected, _ = alone.reset(seed=seed + e)
+                    assert np.array_equal(obs[row], expected), (seed, e)
     finally:
         envs.close()
 

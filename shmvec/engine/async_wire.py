@@ -28,7 +28,7 @@ from shmvec import _core, _worker_loop
 from shmvec.engine.decoder import ResultDecoder
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.wire import Row
-from shmvec.protocol import ENV_IDLE, UNWRITTEN
+from shmvec.protocol import ENV_IDLE, ENV_RESET, UNWRITTEN
 
 
 class AsyncWire:
@@ -136,8 +136,15 @@ class AsyncWire:
         return ("async", self.recovery_plan(dead, read))
 
     def resend(self, index: int) -> None:
-        """Sends the replacement the resets its running envs wait for."""
-        running = [e for e in self.pool.blocks[index] if not self.awaiting[e]]
+        """Sends the replacement the resets its running envs wait for: only those
+        whose command is a reset (a stepping env's earlier reset arguments would
+        be taken by its next reset, and every later reset would get the one
+        before it)."""
+        running = [
+            e
+            for e in self.pool.blocks[index]
+            if not self.awaiting[e] and self.last_command[e] == ENV_RESET
+        ]
         resets = {e: self.resets[e] for e in running if e in self.resets}
         if resets:
             self.pool.send(index, "reset", resets)
