@@ -382,6 +382,8 @@ class Rollouts:
                 for group in list(self._groups.values()):
                     for traj in group.running():
                         oldest = traj.oldest_version
+                        if traj.status is not Status.RUNNING or group.resolved:
+                            continue  # cancelled by a failure of its group's just now
                         if oldest is not None and version - oldest > self.max_lag:
                             self._fail(
                                 group,
