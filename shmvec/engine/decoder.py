@@ -106,28 +106,41 @@ class ResultDecoder:
             new[rows] = old[rows]
 
     def rows_obs(self, views, messages: dict[int, dict], rows: int, region: int | None) -> Any:
-        """An async batch's observations, ``messages`` by row; from lease region
-        ``region`` if not None."""
+        """An async batch's observations, of the first ``rows`` rows of the slot
+        ``views``, ``messages`` by row; from lease region ``region`` if not None."""
+        full = rows == len(views.rewards)
         if region is not None and self.leases is not None:
-            return self.leases.read(region)
+            return self.leases.read(region, None if full else rows)
         if self.obs_codec.pickled:
             values = [None] * rows
             for row, message in messages.items():
                 values[row] = next(iter(message["obs"].values()))
             return self.obs_codec.read_batch(values, self.copy)
-        return self.obs_codec.read_batch(views.obs, self.copy)
+        columns = views.obs if full else [column[:rows] for column in views.obs]
+        return self.obs_codec.read_batch(columns, self.copy)
 
-    def outcomes(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rewards, terminations, truncations) of ring slot ``slot``: copies if
-        ``copy``, the flags as bool."""
+    def outcomes(
+        self, slot: int, rows: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rewards, terminations, truncations) of ring slot ``slot`` (its first
+        ``rows``; None: all): copies if ``copy``, the flags as bool."""
         rewards, terminations, truncations = self._outcomes[slot]
+        if rows is not None and rows < len(rewards):
+            rewards, terminations, truncations = (
+                rewards[:rows], terminations[:rows], truncations[:rows]
+            )  # fmt: skip
         if self.copy:
             return rewards.copy(), terminations.copy(), truncations.copy()
         return rewards, terminations, truncations
 
-    def ended(self, slot: int) -> int:
-        """How many rows of ring slot ``slot`` ended an episode."""
-        return _worker_loop.count_ended(self.columns[slot])
+    def ended(self, slot: int, rows: int | None = None) -> int:
+        """How many rows of ring slot ``slot`` (its first ``rows``; None: all)
+        ended an episode."""
+        columns = self.columns[slot]
+        if rows is None or rows == len(self._outcomes[slot][0]):
+            return _worker_loop.count_ended(columns)
+        _, terminations, truncations = self._outcomes[slot]
+        return int(np.count_nonzero(terminations[:rows] | truncations[:rows]))
 
     def remote_error(self, errors: list) -> BaseException:
         """The first env error, with the env, the worker and the remote traceback."""
