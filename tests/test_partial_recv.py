@@ -12,7 +12,6 @@ import envs as test_envs
 import gymnasium as gym
 import numpy as np
 import pytest
-from gymnasium.vector import AutoresetMode
 from helpers import open_pool
 
 import shmvec
@@ -71,9 +70,8 @@ class Reference:
             self.expected[e], self.ended[e] = (obs, 0.0, False, False, info), False
             return
         obs, reward, terminated, truncated, info = env.step(action)
-        self.expected[e], self.ended[e] = (obs, reward, terminated, truncated, info), (
-            terminated or truncated
-        )
+        self.expected[e] = (obs, reward, terminated, truncated, info)
+        self.ended[e] = terminated or truncated
 
     def check(self, result: tuple) -> None:
         """Every row of ``result`` is its env's expected result; every array has

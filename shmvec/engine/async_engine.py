@@ -5,9 +5,9 @@ over the ``AsyncWire`` (engine/async_wire.py); ``recv`` waits until a ring
 slot's ``batch_size`` rows are published, reads their messages and hands the
 slot back on the next ``recv``. ``recv(partial=True)`` with fewer envs running
 waits for all of them instead: their rows are the first of the slot, and the
-rest is padding (``AsyncWire.pad``) that never reaches the caller. Each env's trajectory is the one it would
-have alone with the same seed and actions; only the order in which envs come
-back varies.
+rest is padding (``AsyncWire.pad``) that never reaches the caller. Each env's
+trajectory is the one it would have alone with the same seed and actions; only
+the order in which envs come back varies.
 
 Who may call what: the main process's one thread.
 """
