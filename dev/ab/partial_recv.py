@@ -6,8 +6,9 @@ One process holds two vector envs of the same CartPole envs open: P, with
 ``batch_size=k``, runs the same ``k`` envs and receives them with the plain
 ``recv``. A turn is ``send`` then ``recv``, so both wait for the same ``k`` env
 steps on the same workers; the difference of the medians is what the partial
-batch adds. The two are stepped in alternate slices (PF, FP, ...), so that a
-drift of the host's speed weighs on both::
+batch adds. Each pair opens both anew, in alternate order, and steps them
+in alternate slices (PF, FP, ...), so that neither the host's drift nor which
+env's processes came first weighs on one side::
 
     nice -n -10 python dev/ab/partial_recv.py --pairs 8 --seconds 0.5 --rows 1 16 31
 
@@ -31,8 +32,9 @@ NUM_ENVS, BATCH = 64, 32
 def opened(batch: int, ids: np.ndarray, partial: bool):
     env = ShmVectorEnv([WORKLOADS["cartpole"]] * NUM_ENVS, batch_size=batch, context="fork")
     env.async_reset(seed=0)
-    for _ in range(NUM_ENVS // batch):
-        env.recv()
+    received = 0
+    while received < NUM_ENVS:  # every env idle
+        received += len(env.recv(partial=True)[4]["env_id"])
     actions = np.zeros(len(ids), dtype=np.int64)
 
     def turn() -> None:
@@ -63,23 +65,27 @@ def main() -> None:
     args = parser.parse_args()
     for k in args.rows:
         ids = np.unique(np.linspace(0, NUM_ENVS - 1, k).astype(np.int64))
-        sides = {"P": opened(BATCH, ids, True), "F": opened(len(ids), ids, False)}
         got: dict[str, list[float]] = {"P": [], "F": []}
-        try:
-            for name in "PF":
-                timed(sides[name][1], args.seconds)  # warm up: spins learn
-            for pair in range(args.pairs):
-                for name in "PF" if pair % 2 == 0 else "FP":
+        for pair in range(args.pairs):
+            order = "PF" if pair % 2 == 0 else "FP"
+            sides = {}
+            try:
+                for name in order:
+                    partial = name == "P"
+                    sides[name] = opened(BATCH if partial else len(ids), ids, partial)
+                for name in order:
+                    timed(sides[name][1], args.seconds)  # warm up: spins learn
+                for name in order:
                     timed(sides[name][1], args.seconds / 5)  # untimed: spins learn again
                     got[name].append(timed(sides[name][1], args.seconds))
-                print(
-                    f"rows {k:2d} pair {pair + 1}: partial {got['P'][-1]:7.1f} us  "
-                    f"plain {got['F'][-1]:7.1f} us",
-                    flush=True,
-                )
-        finally:
-            for env, _ in sides.values():
-                env.close()
+            finally:
+                for env, _ in sides.values():
+                    env.close()
+            print(
+                f"rows {k:2d} pair {pair + 1} ({order}): partial {got['P'][-1]:7.1f} us  "
+                f"plain {got['F'][-1]:7.1f} us",
+                flush=True,
+            )
         p, f = statistics.median(got["P"]), statistics.median(got["F"])
         ratios = statistics.median(b / a for a, b in zip(got["F"], got["P"]))
         print(

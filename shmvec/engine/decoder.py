@@ -49,6 +49,7 @@ class ResultDecoder:
             (v.rewards, v.terminations.view(np.bool_), v.truncations.view(np.bool_)) for v in slots
         ]
         self.columns = [_worker_loop.SlotColumns(v) for v in slots]
+        self.slot_rows = len(slots[0].rewards)  # rows of a ring slot: a whole batch
 
     def learn_columns(self, index: int, message: dict) -> None:
         """Worker ``index``'s info columns announced in ``message``."""
@@ -108,7 +109,7 @@ class ResultDecoder:
     def rows_obs(self, views, messages: dict[int, dict], rows: int, region: int | None) -> Any:
         """An async batch's observations, of the first ``rows`` rows of the slot
         ``views``, ``messages`` by row; from lease region ``region`` if not None."""
-        full = rows == len(views.rewards)
+        full = rows == self.slot_rows
         if region is not None and self.leases is not None:
             return self.leases.read(region, None if full else rows)
         if self.obs_codec.pickled:
@@ -125,7 +126,7 @@ class ResultDecoder:
         """(rewards, terminations, truncations) of ring slot ``slot`` (its first
         ``rows``; None: all): copies if ``copy``, the flags as bool."""
         rewards, terminations, truncations = self._outcomes[slot]
-        if rows is not None and rows < len(rewards):
+        if rows is not None and rows != self.slot_rows:
             rewards, terminations, truncations = (
                 rewards[:rows], terminations[:rows], truncations[:rows]
             )  # fmt: skip
@@ -136,11 +137,7 @@ class ResultDecoder:
     def ended(self, slot: int, rows: int | None = None) -> int:
         """How many rows of ring slot ``slot`` (its first ``rows``; None: all)
         ended an episode."""
-        columns = self.columns[slot]
-        if rows is None or rows == len(self._outcomes[slot][0]):
-            return _worker_loop.count_ended(columns)
-        _, terminations, truncations = self._outcomes[slot]
-        return int(np.count_nonzero(terminations[:rows] | truncations[:rows]))
+        return _worker_loop.count_ended(self.columns[slot], -1 if rows is None else rows)
 
     def remote_error(self, errors: list) -> BaseException:
         """The first env error, with the env, the worker and the remote traceback."""
