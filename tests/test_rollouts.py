@@ -31,7 +31,7 @@ from shmvec.rollouts import (
 pytestmark = pytest.mark.timeout(240)
 
 
-def make_envs(n=8, batch_size=1, num_workers=2, env_fn=TaskEnv, **kwargs):
+def make_envs(n=8, batch_size=4, num_workers=2, env_fn=TaskEnv, **kwargs):
     return shmvec.ShmVectorEnv(
         [env_fn] * n,
         num_workers=num_workers,
@@ -143,7 +143,7 @@ def test_survivors_keep_a_group():
 
 
 def test_redundancy_keeps_the_first_finished_and_cancels_the_rest():
-    envs = make_envs(n=12, batch_size=1, num_workers=2, env_concurrency=6,
+    envs = make_envs(n=12, batch_size=3, num_workers=2, env_concurrency=6,
                      env_fn=functools.partial(TaskEnv, wait_s=0.002))  # fmt: skip
     try:
         with Rollouts(envs, obs_policy, group_size=2, redundancy=2) as rollouts:
@@ -156,7 +156,8 @@ def test_redundancy_keeps_the_first_finished_and_cancels_the_rest():
             for traj in group.failed:
                 assert traj.status in (Status.REDUNDANT, Status.TERMINATED)
         cancelled = stats["dropped"].get("redundant", 0)
-        assert stats["launched"] == 48 and stats["retries"] == 0
+        # a spare still queued when its group completed never launched
+        assert 24 <= stats["launched"] <= 48 and stats["retries"] == 0
         assert stats["launched"] == stats["completed"] + cancelled + stats["in_flight"]
     finally:
         envs.close()
@@ -164,7 +165,7 @@ def test_redundancy_keeps_the_first_finished_and_cancels_the_rest():
 
 def test_a_killed_worker_costs_only_retries():
     fn = functools.partial(TaskEnv, wait_s=0.005, max_len=20)
-    envs = make_envs(n=8, batch_size=1, env_fn=fn, env_concurrency=4)
+    envs = make_envs(n=8, batch_size=2, env_fn=fn, env_concurrency=4)
     try:
         with Rollouts(envs, obs_policy, group_size=2, max_retries=5) as rollouts:
             rollouts.submit(seeds=list(range(16)))
@@ -183,7 +184,7 @@ def test_a_killed_worker_costs_only_retries():
 @pytest.mark.parametrize("on_stale", ["wait", "drop", "rerun"])
 def test_no_group_is_handed_over_past_max_lag(on_stale):
     fn = functools.partial(TaskEnv, wait_s=0.002, max_len=12)
-    envs = make_envs(n=16, batch_size=1, env_fn=fn, env_concurrency=8)
+    envs = make_envs(n=16, batch_size=4, env_fn=fn, env_concurrency=8)
     tasks = (Task(seed=s) for s in range(10_000))
     try:
         with Rollouts(envs, obs_policy, group_size=2, tasks=tasks, max_lag=1,
@@ -234,7 +235,7 @@ def test_per_row_async_policy_with_extras_and_a_concurrency_limit():
         action = int(abs(row.observation[1] * 10)) % 3
         return RowOutput(action, extra={"env": row.env_id, "step": row.trajectory.num_steps})
 
-    envs = make_envs(n=8, batch_size=1)
+    envs = make_envs(n=8, batch_size=2)
     try:
         with Rollouts(envs, AsyncPolicy(policy, concurrency=3), group_size=2) as rollouts:
             rollouts.submit(seeds=list(range(10)))
@@ -290,7 +291,7 @@ def test_tasks_with_a_tag_run_on_envs_of_that_tag():
 
 
 def test_replay_names_a_global_random_generator():
-    envs = make_envs(env_fn=GlobalRandomEnv, n=4, batch_size=1)
+    envs = make_envs(env_fn=GlobalRandomEnv, n=4, batch_size=2)
     try:
         with Rollouts(envs, obs_policy, group_size=2) as rollouts:
             rollouts.submit(seeds=[0])

@@ -762,7 +762,9 @@ class Rollouts:
                     self._finish(group, traj, status, now)
                     continue
             needs.append((i, env))
-        return needs
+        # A row recorded early may belong to an attempt that a later row's outcome
+        # cancelled (its group completed or was dropped): its env is free already.
+        return [(i, env) for i, env in needs if self._on_env[env] is not None]
 
     def _chosen_infos(self, infos: dict, row: int) -> dict[str, Any]:
         if not self.info_keys:
