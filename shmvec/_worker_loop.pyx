@@ -545,6 +545,7 @@ cdef class Block:
             self._enter(env_id)
             self.commands[i] = ENV_IDLE  # before the publish: main may send again right after
             error = None
+            result = None  # an error's row carries none
             try:
                 if self.restarted is not None and self.restarted[i]:
                     self.restarted[i] = 0

@@ -297,15 +297,18 @@ class ConcurrentEnvs:
 
     def _parts(self, block) -> list:
         """Per env of ``block``: ``block.part(i)`` with its own scratch words,
-        reading its reset's seed under ``_recv_lock`` and sending under
-        ``_row_lock``; made once (the worker has one block)."""
+        reading its reset's seed (also a restarted env's) under ``_recv_lock``
+        and sending under ``_row_lock``; made once (the worker has one block)."""
         if self._parts_of is not block:
             self._parts_of = block
             take_reset_args = _locked(block.take_reset_args, self._recv_lock)
+            # A restarted env's first reset reads its seed from the pipe as well.
+            restart = _locked(block.restart, self._recv_lock) if block.restart else None
             self._block_parts = []
             for i in range(len(block.envs)):
                 part = block.part(i, np.zeros(1, np.uint32), np.zeros(1, np.uint64))
                 part.take_reset_args, part.row_lock = take_reset_args, self._row_lock
+                part.restart = restart
                 self._block_parts.append(part)
         return self._block_parts
 

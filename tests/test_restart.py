@@ -563,6 +563,32 @@ def test_async_resets_after_a_restart_get_their_own_seeds():
         envs.close()
 
 
+@pytest.mark.parametrize("trial", range(3))
+def test_restarted_env_threads_each_read_their_own_reset(trial):
+    """After a restart, the replacement's envs report their first reset from
+    their own threads at once: each reads its own seed from the pipe."""
+    envs = ShmVectorEnv(
+        [TaskEnv] * 16, num_workers=2, batch_size=4, on_worker_death="restart",
+        env_concurrency=8,
+    )  # fmt: skip
+    alone = TaskEnv()
+    try:
+        envs.async_reset(seed=list(range(16)))
+        for _ in range(4):
+            envs.recv()  # every env idle
+        os.kill(envs._pool.workers[1].pid, signal.SIGKILL)
+        envs._pool.workers[1].join(5)
+        for seed in (100, 200):
+            envs.async_reset(seed=[seed + e for e in range(16)])
+            for _ in range(4):
+                obs, _, _, _, infos = envs.recv()
+                for row, e in enumerate(infos["env_id"].tolist()):
+                    expected, _ = alone.reset(seed=seed + e)
+                    assert np.array_equal(obs[row], expected), (seed, e)
+    finally:
+        envs.close()
+
+
 # ------------------------------------------------------------- arguments
 
 
