@@ -224,8 +224,10 @@ exposed for tests; the workers call them from Cython.
           py::arg("slot"), py::arg("rows"),
           "Counts `rows` rows of `slot` as published though no worker writes them.")
       .def(
-          "unpad", [](PyRing& r, uint32_t slot, uint32_t rows) { r.ring.unpad(slot, rows); },
-          py::arg("slot"), py::arg("rows"), "Takes back pad()'s rows of an unconsumed slot.")
+          "unpad",
+          [](PyRing& r, uint32_t slot, uint32_t rows) { r.ring.unpad(slot, rows); },
+          py::arg("slot"), py::arg("rows"),
+          "Takes back pad()'s rows of an unconsumed slot.")
       .def(
           "skip", [](PyRing& r, uint32_t rows) { r.ring.skip(rows); }, py::arg("rows"),
           "Moves the claim counter past `rows` padded rows (no worker may claim now).")

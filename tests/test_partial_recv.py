@@ -12,6 +12,7 @@ import envs as test_envs
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.vector.utils import batch_space, iterate
 from helpers import open_pool
 
 import shmvec
@@ -83,8 +84,7 @@ class Reference:
         for name, value in (("obs", obs), ("rewards", rewards), ("terminations", terminations)):
             assert len(value) == rows, name
         assert len(truncations) == rows
-        for key, value in infos.items():
-            assert len(value) == rows, key
+        assert_rows(infos, rows)
         for row, e in enumerate(ids):
             want_obs, want_reward, want_terminated, want_truncated, want_info = self.expected[e]
             assert np.array_equal(obs[row], want_obs), f"env {e}"
@@ -98,6 +98,15 @@ class Reference:
                 assert infos["note"][row] == "right" and infos["_note"][row], f"env {e}"
             else:
                 assert "_note" not in infos or not infos["_note"][row], f"env {e}"
+
+
+def assert_rows(infos: dict, rows: int, path: str = "infos") -> None:
+    """Every array of ``infos``, nested dicts included, has ``rows`` rows."""
+    for key, value in infos.items():
+        if isinstance(value, dict):
+            assert_rows(value, rows, f"{path}[{key!r}]")
+        else:
+            assert len(value) == rows, f"{path}[{key!r}]"
 
 
 def run_mixed_cycle(envs: shmvec.ShmVectorEnv, seed: int) -> int:
@@ -167,6 +176,53 @@ def test_partial_rows_equal_each_env_alone(kwargs, monkeypatch):
     try:
         assert run_mixed_cycle(envs, seed=10) >= 10
         assert envs.stats()["steps"] > 8
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["columns", "pickled"])
+def test_partial_rows_of_nested_spaces(shared_memory):
+    """Dict/Tuple/Text observations, in columns or pickled, and infos that change
+    from step to step: each row of a partial batch is its env's, alone."""
+    n, batch = 6, 4
+    envs = shmvec.ShmVectorEnv(
+        [test_envs.CustomSpaceEnv] * n, shared_memory=shared_memory, num_workers=2,
+        batch_size=batch,
+    )  # fmt: skip
+    space = envs.single_observation_space
+    alone = [test_envs.CustomSpaceEnv() for _ in range(n)]
+    expected = {e: env.reset(seed=7 + e)[0] for e, env in enumerate(alone)}
+    ended = np.zeros(n, dtype=bool)
+    rng = np.random.default_rng(7)
+
+    def check(obs, infos) -> list[int]:
+        ids = infos["env_id"].tolist()
+        assert_rows(infos, len(ids))
+        for row, (e, got) in enumerate(zip(ids, iterate(batch_space(space, len(ids)), obs))):
+            want = gym.spaces.flatten(space, expected[e])
+            assert np.array_equal(gym.spaces.flatten(space, got), want), f"env {e}, row {row}"
+        return ids
+
+    try:
+        envs.async_reset(seed=7)
+        idle = check(*envs.recv()[::4]) + check(*envs.recv(partial=True)[::4])
+        assert sorted(idle) == list(range(n))
+        for _ in range(40):
+            go = [idle.pop(int(rng.integers(len(idle)))) for _ in range(int(rng.integers(1, 4)))]
+            actions_space = batch_space(envs.single_action_space, len(go))
+            actions_space.seed(int(rng.integers(1 << 30)))
+            actions = actions_space.sample()
+            envs.send(actions, go)
+            for e, action in zip(go, iterate(actions_space, actions)):
+                if ended[e]:
+                    expected[e], ended[e] = alone[e].reset()[0], False
+                else:
+                    expected[e], _, terminated, truncated, _ = alone[e].step(action)
+                    ended[e] = terminated or truncated
+            obs, *_, infos = envs.recv(partial=True)
+            ids = check(obs, infos)
+            assert sorted(ids) == sorted(go)
+            idle += ids
     finally:
         envs.close()
 

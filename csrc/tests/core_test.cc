@@ -606,7 +606,8 @@ int main(int argc, char** argv) {
     run_case("barrier processes x3", [&] { test_barrier(procs, 3, sleep, n); });
     run_case("doorbell processes", [&] { test_doorbell(procs, sleep, n); });
     run_case("ring processes x2", [&] { test_ring(procs, 2, spin, 4 * n); });
-    run_case("ring processes x2, partial", [&] { test_ring(procs, 2, spin, 4 * n, true); });
+    run_case("ring processes x2, partial",
+             [&] { test_ring(procs, 2, spin, 4 * n, true); });
     run_case("barrier processes x3, adaptive",
              [&] { test_barrier(procs, 3, adaptive, n); });
   }
