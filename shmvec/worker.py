@@ -31,6 +31,7 @@ from shmvec import _core, _worker_loop
 from shmvec.concurrent_envs import ConcurrentEnvs
 from shmvec.errors import add_note
 from shmvec.layout import TEXT_BYTES, make_codec, make_layout
+from shmvec.outbox import Outbox
 from shmvec.protocol import (
     AUTORESET_SAME_STEP,
     BY_VALUE_BIT,
@@ -229,6 +230,7 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
     try:
         worker.serve()
     finally:
+        worker.outbox.close()
         pipe.close()
 
 
@@ -270,6 +272,9 @@ class Worker:
     def __init__(self, spec: WorkerSpec, segment, pipe, envs: list) -> None:
         self.spec = spec
         self.pipe = pipe
+        # Sends never block the worker: main reads a batch's messages only once
+        # the batch is full (shmvec/outbox.py).
+        self.outbox = Outbox(pipe)
         self.envs = envs
         layout = make_layout(spec)
         buffer = memoryview(segment)
@@ -347,7 +352,7 @@ class Worker:
         return self.wire.recover(plan)
 
     def send(self, message: dict) -> None:
-        _send(self.pipe, message)
+        _send(self.outbox, message)
 
     def run_command(self, command: tuple) -> bool:
         """Runs one barrier command; False once the worker must exit."""
