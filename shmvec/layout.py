@@ -335,7 +335,7 @@ class Utf8TextCodec(Codec):
     def write_batch(self, views, value):
         return self.write_rows(views, range(views[0].shape[0]), value)
 
-    def write_rows(self, views, rows, value):
+    def write_rows(self, views: list[np.ndarray], rows: Any, value: Any) -> Spills | None:
         if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
             raise TypeError(
                 f"actions{self.path} must be a sequence of one str per env, got "
