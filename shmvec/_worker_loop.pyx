@@ -211,8 +211,11 @@ cdef class Stepper:
 
     cdef object action_codec, obs_codec, action_column, obs_column, obs_shape, obs_dtype
     cdef Py_ssize_t obs_nbytes
-    cdef bint direct_action, copy_action, direct_obs
+    cdef bint direct_action, copy_action, direct_obs, spilling_actions
     cdef public bint actions_by_value  # this round's actions: a list of per-env values
+    # env id -> the spilled values of its action (text longer than its inline
+    # bytes), which main sent on the pipe: the worker's, under its pipe's lock.
+    cdef public object take_spill
     cdef int mode
 
     def __cinit__(self, object action_codec, object obs_codec, int mode):
@@ -223,6 +226,8 @@ cdef class Stepper:
         self.direct_action = type(action_codec).__name__ == "ArrayCodec"
         self.copy_action = self.direct_action and len(action_codec.spec.shape) > 0
         self.direct_obs = type(obs_codec).__name__ == "ArrayCodec"
+        self.spilling_actions = action_codec.can_spill
+        self.take_spill = None
         self.obs_shape = obs_codec.spec.shape if self.direct_obs else None
         if self.direct_obs:
             self.obs_dtype = obs_codec.spec.dtype
@@ -237,13 +242,26 @@ cdef class Stepper:
         if self.direct_action:
             action = action_views[0][env_id]
             return action.copy() if self.copy_action else action
+        if self.spilling_actions and self.action_codec.spilled(action_views, env_id):
+            return self.action_codec.read(action_views, env_id, self.take_spill(env_id))
         return self.action_codec.read(action_views, env_id)
+
+    cpdef skip_action(self, list action_views, Py_ssize_t env_id):
+        """Env ``env_id`` does not take its action this time (an autoreset, a
+        restart): takes its spilled values off the pipe all the same, so that
+        they never stand in for a later action's."""
+        if (self.spilling_actions and not self.actions_by_value
+                and self.action_codec.spilled(action_views, env_id)):
+            self.take_spill(env_id)
 
     cdef tuple step_one(self, object env, list action_views, Py_ssize_t env_id,
                         bint reset_first):
         """Reads env ``env_id``'s action and ``advance``s it."""
-        action = None if (self.mode == NEXT_STEP and reset_first) \
-            else self.read_action(action_views, env_id)
+        if self.mode == NEXT_STEP and reset_first:
+            self.skip_action(action_views, env_id)
+            action = None
+        else:
+            action = self.read_action(action_views, env_id)
         return self.advance(env, action, reset_first)
 
     cdef tuple advance(self, object env, object action, bint reset_first):
@@ -265,8 +283,10 @@ cdef class Stepper:
     cpdef write(self, object obs_views, SlotColumns slot, Py_ssize_t row, tuple result):
         """Stores ``result`` (from ``advance``) at ``row`` of ring slot ``slot``;
         ``obs_views``: where its observation goes (the slot's columns, a lease
-        region's, or the dict of a pickled space)."""
+        region's, or the dict of a pickled space). Returns the observation's
+        spilled text values, for the row's message (None: nothing spilled)."""
         obs, reward, terminated, truncated = result[0], result[1], result[2], result[3]
+        spill = None
         if self.direct_obs:
             if (obs.shape if type(obs) is _ndarray else _shape(obs)) != self.obs_shape:
                 self.obs_codec.write(obs_views, row, obs)  # raises, naming the field
@@ -274,10 +294,11 @@ cdef class Stepper:
                     and _copy_row(obs_views[0], row, obs, self.obs_nbytes)):
                 obs_views[0][row] = obs  # numpy casts, or copies a strided array
         else:
-            self.obs_codec.write(obs_views, row, obs)
+            spill = self.obs_codec.write(obs_views, row, obs)
         slot.rewards[row] = reward
         slot.terminations[row] = 1 if terminated else 0
         slot.truncations[row] = 1 if truncated else 0
+        return spill
 
 
 cdef object pickled_infos(tuple result, InfoColumns columns, Py_ssize_t row, list announced):
@@ -415,18 +436,21 @@ cdef class Block:
         observations go: the slot's columns, a lease region's, or a dict that
         collects pickled observations.
 
-        Returns ``(infos, errors, announced)``: ``infos`` is a list of ``(row,
-        [info, ...])`` for envs with something to pickle, in row order, each
-        list merged in order with ``VectorEnv._add_info``; numeric scalar infos
-        go to the slot's info columns instead, and ``announced`` lists the
+        Returns ``(infos, errors, announced, spills)``: ``infos`` is a list of
+        ``(row, [info, ...])`` for envs with something to pickle, in row order,
+        each list merged in order with ``VectorEnv._add_info``; numeric scalar
+        infos go to the slot's info columns instead, and ``announced`` lists the
         ``(key, column)`` pairs new this round. ``errors`` is a list of ``(row,
         exception, traceback_text)``. An env that raised keeps its previous
         results, unless ``on_error`` gives a result to report instead.
+        ``spills`` lists ``(row, {path: text})`` for observations whose text
+        spilled (shmvec/layout.py, ``Utf8TextCodec``).
         """
         cdef Py_ssize_t i, row
         cdef list infos = []
         cdef list errors = []
         cdef list announced = []
+        cdef list spills = []
         cdef tuple result
         cdef SlotColumns columns = self.slots[slot]
         cdef InfoColumns info_columns = self.info_columns[slot]
@@ -438,10 +462,12 @@ cdef class Block:
             try:
                 try:
                     result = stepper.step_one(self.envs[i], action_views, row, self.autoreset[i])
-                    stepper.write(obs_views, columns, row, result)
+                    spill = stepper.write(obs_views, columns, row, result)
                 except Exception as exc:  # noqa: BLE001 - a failed write resets too
                     result = self.reported(i, exc)
-                    stepper.write(obs_views, columns, row, result)
+                    spill = stepper.write(obs_views, columns, row, result)
+                if spill is not None:
+                    spills.append((row, spill))
                 self.autoreset[i] = 1 if (result[2] or result[3]) else 0
                 merged = pickled_infos(result, info_columns, row, announced)
                 if merged is not None:
@@ -449,7 +475,7 @@ cdef class Block:
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
                 errors.append((row, exc, _format_exc()))
         self.current_env[0] = 0
-        return infos, errors, announced
+        return infos, errors, announced, spills
 
     cpdef finish_round(self, object message, uint64_t started):
         """Ends this worker's part of the sync round begun at ``started``
@@ -492,7 +518,7 @@ cdef class Block:
         cdef uint32_t index, region
         cdef uint64_t started
         cdef object obs
-        cdef list infos, errors, announced
+        cdef list infos, errors, announced, spills
         while rounds < max_rounds:
             with nogil:
                 status = self.barrier.barrier.wait_command(self.generation, timeout_ns, &command)
@@ -508,10 +534,10 @@ cdef class Block:
             region = (command.arg >> REGION_SHIFT) & REGION_MASK
             obs = self.regions[region - 1] if region else (<SlotColumns>self.slots[index]).obs
             self.stepper.actions_by_value = False
-            infos, errors, announced = self.step_block(self.action_views, obs, index)
+            infos, errors, announced, spills = self.step_block(self.action_views, obs, index)
             message = None
-            if infos or errors or announced:
-                message = self.build_message(infos, errors, obs, announced)
+            if infos or errors or announced or spills:
+                message = self.build_message(infos, errors, obs, announced, spills)
             self.finish_round(message, started)
             rounds += 1
         return rounds, None
@@ -549,6 +575,8 @@ cdef class Block:
             try:
                 if self.restarted is not None and self.restarted[i]:
                     self.restarted[i] = 0
+                    if command != ENV_RESET:
+                        stepper.skip_action(self.action_views, env_id)
                     result = self.restart(self.first_index + i, command)
                 elif command == ENV_RESET:
                     result = reset_result(self.envs[i], *self.take_reset_args(env_id))
@@ -585,10 +613,13 @@ cdef class Block:
         if error is None:
             obs_target = {} if stepper.obs_codec.pickled else slot.obs_columns()
             try:
-                stepper.write(obs_target, slot, ref.row, result)
+                spill = stepper.write(obs_target, slot, ref.row, result)
                 merged = pickled_infos(result, columns, ref.row, announced)
                 if merged is not None:
                     message = {"infos": [(ref.row, merged)]}
+                if spill is not None:
+                    message = message or {}
+                    message["spills"] = [(ref.row, spill)]
                 if stepper.obs_codec.pickled:
                     message = message or {}
                     message["obs"] = obs_target

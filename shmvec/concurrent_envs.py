@@ -291,9 +291,10 @@ class ConcurrentEnvs:
         infos: list = []
         errors: list = []
         announced: list = []
+        spills: list = []
         for part in done:
-            _extend(infos, errors, announced, part)
-        return infos, errors, announced
+            _extend(infos, errors, announced, spills, part)
+        return infos, errors, announced, spills
 
     def _parts(self, block) -> list:
         """Per env of ``block``: ``block.part(i)`` with its own scratch words,
@@ -304,6 +305,8 @@ class ConcurrentEnvs:
             take_reset_args = _locked(block.take_reset_args, self._recv_lock)
             # A restarted env's first reset reads its seed from the pipe as well.
             restart = _locked(block.restart, self._recv_lock) if block.restart else None
+            # The parts share the block's stepper: its pipe reads take the same lock.
+            block.stepper.take_spill = _locked(block.stepper.take_spill, self._recv_lock)
             self._block_parts = []
             for i in range(len(block.envs)):
                 part = block.part(i, np.zeros(1, np.uint32), np.zeros(1, np.uint64))
@@ -411,9 +414,10 @@ def _locked(function: Callable, lock: threading.Lock) -> Callable:
     return locked
 
 
-def _extend(infos: list, errors: list, announced: list, part: tuple) -> None:
-    """Appends a part's ``(infos, errors, announced)`` (``Block.step_block``'s)."""
-    part_infos, part_errors, part_announced = part
+def _extend(infos: list, errors: list, announced: list, spills: list, part: tuple) -> None:
+    """Appends a part's ``(infos, errors, announced, spills)`` (``Block.step_block``'s)."""
+    part_infos, part_errors, part_announced, part_spills = part
     infos.extend(part_infos)
     errors.extend(part_errors)
     announced.extend(part_announced)
+    spills.extend(part_spills)

@@ -7,6 +7,11 @@ when ``shared_memory=False``, is *pickled*: its per-env values travel on the
 slow channel (the worker's pipe) and are batched with gymnasium's own
 ``concatenate``, so they are never silently wrong.
 
+``UnboundedText`` (shmvec/text.py) gets two columns: each row's UTF-8 length
+and ``text_bytes`` bytes inline. A longer value *spills*: that row's length
+word says so, and the value itself travels on the slow channel with the
+row's message (``write`` returns it; ``read_batch``/``read`` take it back).
+
 A codec knows one space; ``SegmentLayout`` places the columns of the action
 slab, of every ring slot and of the observation lease regions in the segment.
 
@@ -40,6 +45,7 @@ from shmvec.protocol import (
     LINE_MESSAGE,
     SLOT_MASK,
 )
+from shmvec.text import UnboundedText
 
 CACHE_LINE = 64
 PAGE = 4096
@@ -52,6 +58,18 @@ LEASE_BYTES = 256 << 20
 #: ... for batches of this many bytes of observations or more: below, a copy
 #: costs less than a lease (docs/design/lent-observations.md).
 LEASE_MIN_BYTES = 64 << 10
+
+
+#: Inline UTF-8 bytes per ``UnboundedText`` row unless ``text_bytes=`` says
+#: otherwise: a 5.7K-character chat turn of mostly ASCII fits; a longer value
+#: spills to the slow channel (docs/design/text.md).
+TEXT_BYTES = 4096
+
+#: A row's spilled text values, by the path of their field in the space ("" for
+#: a top-level ``UnboundedText``, ``"['chat']"`` in a Dict...).
+RowSpill = dict[str, str]
+#: Spilled values of a batch, by row (actions: by env id).
+Spills = dict[int, RowSpill]
 
 
 @dataclass(frozen=True)
@@ -67,32 +85,45 @@ class Codec:
 
     Column views are arrays of shape ``(rows, *spec.shape)``; ``views`` is the
     list of them in ``columns()`` order, consumed from the front by each codec.
+
+    Spills (``UnboundedText`` values longer than their inline bytes): ``write``,
+    ``write_batch`` and ``write_rows`` return what spilled, for the caller to
+    send on the slow channel; ``read_batch`` and ``read`` take it back.
     """
 
     pickled = False
+    can_spill = False  # whether a value may spill (an UnboundedText leaf)
 
     def columns(self) -> list[ColumnSpec]:
         return []
 
-    def write(self, views: list[np.ndarray], row: int, value: Any) -> None:
-        """[worker] Stores one env's value at ``row``."""
+    def write(self, views: list[np.ndarray], row: int, value: Any) -> RowSpill | None:
+        """[worker] Stores one env's value at ``row``; returns what spilled (None: nothing)."""
         raise NotImplementedError
 
-    def read_batch(self, views: list[np.ndarray], copy: bool) -> Any:
-        """[main] The batched value of all rows, as gymnasium batches it."""
+    def read_batch(self, views: list[np.ndarray], copy: bool, spills: Spills | None = None) -> Any:
+        """[main] The batched value of all rows, as gymnasium batches it;
+        ``spills``: the spilled values of its rows."""
         raise NotImplementedError
 
-    def write_batch(self, views: list[np.ndarray], value: Any) -> None:
-        """[main] Stores a batched value (actions), checking shape and dtype."""
+    def write_batch(self, views: list[np.ndarray], value: Any) -> Spills | None:
+        """[main] Stores a batched value (actions), checking shape and dtype;
+        returns what spilled, by row."""
         raise NotImplementedError
 
-    def read(self, views: list[np.ndarray], row: int) -> Any:
-        """[worker] One env's value (an action), as a private copy."""
+    def read(self, views: list[np.ndarray], row: int, spill: RowSpill | None = None) -> Any:
+        """[worker] One env's value (an action), as a private copy; ``spill``:
+        the row's spilled values (``spilled`` says whether it has any)."""
         raise NotImplementedError
 
-    def write_rows(self, views: list[np.ndarray], rows: np.ndarray, value: Any) -> None:
-        """[main] Stores a batch of values (actions) at ``rows`` only."""
+    def write_rows(self, views: list[np.ndarray], rows: np.ndarray, value: Any) -> Spills | None:
+        """[main] Stores a batch of values (actions) at ``rows`` only; returns
+        what spilled, by row (an element of ``rows``)."""
         raise NotImplementedError
+
+    def spilled(self, views: list[np.ndarray], row: int) -> bool:
+        """[worker] Whether the value at ``row`` has spilled parts."""
+        return False
 
     def is_exact(self, value: Any) -> bool:
         """[main] Whether the columns hold a batch exactly as given (same dtypes).
@@ -127,7 +158,7 @@ class ArrayCodec(Codec):
             )
         views[0][row] = value
 
-    def read_batch(self, views, copy):
+    def read_batch(self, views, copy, spills=None):
         return views[0].copy() if copy else views[0]
 
     def write_batch(self, views, value):
@@ -174,7 +205,7 @@ class ArrayCodec(Codec):
             )
         np.copyto(out, array, casting="same_kind")
 
-    def read(self, views, row):
+    def read(self, views, row, spill=None):
         value = views[0][row]
         # Rows of a shaped column are views of the slab: hand out a copy, as
         # gymnasium hands each env its own pickled copy.
@@ -213,7 +244,7 @@ class TextCodec(Codec):
         charset = self.charset
         return "".join(charset[c] for c in codes.tolist() if c >= 0)
 
-    def read_batch(self, views, copy):
+    def read_batch(self, views, copy, spills=None):
         return tuple(self._decode(row) for row in views[0])
 
     def write_batch(self, views, value):
@@ -225,8 +256,119 @@ class TextCodec(Codec):
         for row, text in zip(rows, value):
             self.write(views, row, text)
 
-    def read(self, views, row):
+    def read(self, views, row, spill=None):
         return self._decode(views[0][row])
+
+
+class Utf8TextCodec(Codec):
+    """``UnboundedText``: per row, the value's UTF-8 length (int64) and
+    ``capacity`` bytes inline. A value of more bytes spills: its length word
+    says how many, its bytes stay out of the segment and the value travels
+    with the row's message. Lone surrogates survive (``surrogatepass``).
+    """
+
+    can_spill = True
+
+    def __init__(self, space: spaces.Text, path: str, capacity: int) -> None:
+        self.space = space
+        self.path = path
+        self.capacity = capacity
+
+    def columns(self):
+        return [
+            ColumnSpec(np.dtype(np.int64), ()),
+            ColumnSpec(np.dtype(np.uint8), (self.capacity,)),
+        ]
+
+    def _encode(self, value: Any, where: str) -> bytes:
+        if not isinstance(value, str):
+            raise TypeError(
+                f"{where}{self.path} is {type(value).__name__} {_short(value)}, but its space "
+                f"{self.space} takes a str"
+            )
+        return value.encode("utf-8", "surrogatepass")
+
+    def _store(self, views, row: int, data: bytes) -> bool:
+        """Stores ``data`` at ``row``; False if it spills."""
+        n = len(data)
+        views[0][row] = n
+        if n > self.capacity:
+            return False
+        views[1][row, :n] = np.frombuffer(data, np.uint8)
+        return True
+
+    def write(self, views, row, value):
+        if self._store(views, row, self._encode(value, "observation")):
+            return None
+        return {self.path: value}
+
+    def _decode(self, views, row: int, n: int) -> str:
+        return views[1][row, :n].tobytes().decode("utf-8", "surrogatepass")
+
+    def _spilled_value(self, spill: RowSpill | None, row: int) -> str:
+        try:
+            return spill[self.path]  # type: ignore[index]
+        except (KeyError, TypeError):
+            raise RuntimeError(
+                f"shmvec internal error: text{self.path} of row {row} spilled, but its "
+                "value did not arrive"
+            ) from None
+
+    def read_batch(self, views, copy, spills=None):
+        capacity = self.capacity
+        return tuple(
+            self._decode(views, row, n)
+            if n <= capacity
+            else self._spilled_value((spills or {}).get(row), row)
+            for row, n in enumerate(views[0].tolist())
+        )
+
+    def read(self, views, row, spill=None):
+        n = int(views[0][row])
+        if n <= self.capacity:
+            return self._decode(views, row, n)
+        return self._spilled_value(spill, row)
+
+    def spilled(self, views, row):
+        return bool(views[0][row] > self.capacity)
+
+    def write_batch(self, views, value):
+        return self.write_rows(views, range(views[0].shape[0]), value)
+
+    def write_rows(self, views: list[np.ndarray], rows: Any, value: Any) -> Spills | None:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+            raise TypeError(
+                f"actions{self.path} must be a sequence of one str per env, got "
+                f"{type(value).__name__} {_short(value)}"
+            )
+        if len(value) != len(rows):
+            raise ValueError(
+                f"actions{self.path}: expected {len(rows)} texts (one per env), got {len(value)}"
+            )
+        data = [self._encode(text, f"the action of env {row}: actions") for row, text in
+                zip(rows, value)]  # fmt: skip
+        spills: Spills = {}
+        for row, text, encoded in zip(rows, value, data):
+            if not self._store(views, row, encoded):
+                spills[int(row)] = {self.path: str(text)}
+        return spills or None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _merge_spills(into: Spills | None, more: Spills | None) -> Spills | None:
+    """``into`` with ``more``'s rows' values added (either may be None)."""
+    if not more:
+        return into
+    if into is None:
+        return more
+    for row, values in more.items():
+        into.setdefault(row, {}).update(values)
+    return into
 
 
 class DictCodec(Codec):
@@ -237,6 +379,7 @@ class DictCodec(Codec):
         self.path = path
         self.children = children
         self.widths = [len(c.columns()) for c in children.values()]
+        self.can_spill = any(c.can_spill for c in children.values())
 
     def columns(self):
         return [spec for child in self.children.values() for spec in child.columns()]
@@ -248,37 +391,50 @@ class DictCodec(Codec):
             start += width
 
     def write(self, views, row, value):
+        spill = None
         for key, child, sub in self._split(views):
-            child.write(sub, row, value[key])
+            more = child.write(sub, row, value[key])
+            if more:
+                spill = more if spill is None else {**spill, **more}
+        return spill
 
-    def read_batch(self, views, copy):
-        return {key: child.read_batch(sub, copy) for key, child, sub in self._split(views)}
+    def read_batch(self, views, copy, spills=None):
+        return {key: child.read_batch(sub, copy, spills) for key, child, sub in self._split(views)}
 
     def write_batch(self, views, value):
+        spills = None
         for key, child, sub in self._split(views):
-            child.write_batch(sub, value[key])
+            spills = _merge_spills(spills, child.write_batch(sub, value[key]))
+        return spills
 
     def write_rows(self, views, rows, value):
+        spills = None
         for key, child, sub in self._split(views):
-            child.write_rows(sub, rows, value[key])
+            spills = _merge_spills(spills, child.write_rows(sub, rows, value[key]))
+        return spills
+
+    def spilled(self, views, row):
+        return self.can_spill and any(
+            child.spilled(sub, row) for _, child, sub in self._split(views) if child.can_spill
+        )
 
     def is_exact(self, value):
         exact = [child.is_exact(value[key]) for key, child in self.children.items()]
         return all(exact)  # every child checked: each may raise its TypeError
 
-    def read(self, views, row):
-        return {key: child.read(sub, row) for key, child, sub in self._split(views)}
+    def read(self, views, row, spill=None):
+        return {key: child.read(sub, row, spill) for key, child, sub in self._split(views)}
 
 
 class TupleCodec(DictCodec):
     def __init__(self, space: spaces.Tuple, path: str, children: list[Codec]) -> None:
         super().__init__(space, path, dict(enumerate(children)))
 
-    def read_batch(self, views, copy):
-        return tuple(super().read_batch(views, copy).values())
+    def read_batch(self, views, copy, spills=None):
+        return tuple(super().read_batch(views, copy, spills).values())
 
-    def read(self, views, row):
-        return tuple(super().read(views, row).values())
+    def read(self, views, row, spill=None):
+        return tuple(super().read(views, row, spill).values())
 
 
 class PickledCodec(Codec):
@@ -295,7 +451,7 @@ class PickledCodec(Codec):
     def write(self, views, row, value):
         views[row] = value
 
-    def read_batch(self, values, copy):
+    def read_batch(self, values, copy, spills=None):
         n = len(values)
         return concatenate(self.space, values, create_empty_array(self.space, n))
 
@@ -304,8 +460,9 @@ class PickledCodec(Codec):
         if len(items) != len(values):
             raise ValueError(f"expected {len(values)} actions, got {len(items)}")
         values[:] = items
+        return None
 
-    def read(self, values, row):
+    def read(self, values, row, spill=None):
         return values[row]
 
 
@@ -320,25 +477,43 @@ def is_fixed_size(space: spaces.Space) -> bool:
     return False
 
 
-def make_codec(space: spaces.Space, shared_memory: bool = True) -> Codec:
-    """The codec for ``space``: columns if it is fixed-size, else pickled."""
+def make_codec(
+    space: spaces.Space, shared_memory: bool = True, text_bytes: int = TEXT_BYTES
+) -> Codec:
+    """The codec for ``space``: columns if it is fixed-size, else pickled;
+    ``text_bytes``: the inline bytes of each ``UnboundedText`` row."""
     if not shared_memory or not is_fixed_size(space):
         return PickledCodec(space)
-    return _make_fixed(space, "")
+    return _make_fixed(space, "", text_bytes)
 
 
-def _make_fixed(space: spaces.Space, path: str) -> Codec:
+def _make_fixed(space: spaces.Space, path: str, text_bytes: int) -> Codec:
     if isinstance(space, spaces.Dict):
         return DictCodec(
-            space, path, {k: _make_fixed(s, f"{path}[{k!r}]") for k, s in space.spaces.items()}
+            space,
+            path,
+            {k: _make_fixed(s, f"{path}[{k!r}]", text_bytes) for k, s in space.spaces.items()},
         )
     if isinstance(space, spaces.Tuple):
         return TupleCodec(
-            space, path, [_make_fixed(s, f"{path}[{i}]") for i, s in enumerate(space.spaces)]
+            space,
+            path,
+            [_make_fixed(s, f"{path}[{i}]", text_bytes) for i, s in enumerate(space.spaces)],
         )
+    if isinstance(space, UnboundedText):
+        return Utf8TextCodec(space, path, text_bytes)
     if isinstance(space, spaces.Text):
         return TextCodec(space, path)
     return ArrayCodec(space, path)
+
+
+def check_text_bytes(text_bytes: Any) -> int:
+    """``text_bytes`` checked: an int >= 0 (0: every non-empty text spills)."""
+    if isinstance(text_bytes, bool) or not isinstance(text_bytes, (int, np.integer)):
+        raise TypeError(f"text_bytes must be an int >= 0, got {text_bytes!r}")
+    if text_bytes < 0:
+        raise ValueError(f"text_bytes must be an int >= 0, got {text_bytes}")
+    return int(text_bytes)
 
 
 def _align(offset: int, alignment: int = CACHE_LINE) -> int:
@@ -551,8 +726,8 @@ def make_layout(spec: Any) -> SegmentLayout:
     return SegmentLayout(
         spec.num_envs,
         spec.num_workers,
-        make_codec(spec.action_space).columns(),
-        make_codec(spec.observation_space, spec.shared_memory).columns(),
+        make_codec(spec.action_space, True, spec.text_bytes).columns(),
+        make_codec(spec.observation_space, spec.shared_memory, spec.text_bytes).columns(),
         spec.num_slots,
         spec.batch_size,
         WordBytes(

@@ -17,6 +17,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import batch_differing_spaces, batch_space
 
+from shmvec.layout import TEXT_BYTES, check_text_bytes
 from shmvec.spin import SpinPolicy, available_cpus, default_pinning, default_spin, fixed_spin
 from shmvec.worker import check_env
 
@@ -56,6 +57,7 @@ class TuningOptions:
     validate_actions: bool = False
     env_concurrency: int | None = None
     pin_workers: bool | None = None
+    text_bytes: int = TEXT_BYTES
 
     def __post_init__(self) -> None:
         """A ValueError naming the first option that is wrong whatever the envs."""
@@ -76,6 +78,7 @@ class TuningOptions:
             raise ValueError(f"pin_workers must be None, True or False, got {self.pin_workers!r}")
         if self.spin_ns is not None:
             fixed_spin(self.spin_ns)  # its ValueError
+        check_text_bytes(self.text_bytes)
 
     def sizes(self, num_envs: int, max_concurrency: int | None) -> Sizes:
         """Workers, batch size and ring depth for ``num_envs`` envs; ValueError if out of range."""

@@ -64,7 +64,7 @@ from shmvec.engine.pool import WorkerPool
 from shmvec.engine.rounds import RoundDriver
 from shmvec.errors import WorkerDiedError
 from shmvec.handoff import ResultHandoff
-from shmvec.layout import lease_regions, make_codec
+from shmvec.layout import TEXT_BYTES, Spills, lease_regions, make_codec
 from shmvec.options import (
     TuningOptions,
     check_env_fns,
@@ -155,6 +155,11 @@ class ShmVectorEnv(VectorEnvBase):
             or more (``shmvec.spin.default_pinning``). A worker whose envs start
             processes unpins itself and them (within a second, or 256 rounds if
             longer).
+        text_bytes (int, default 4096): UTF-8 bytes of each
+            :class:`~shmvec.UnboundedText` value (observation or action) stored
+            inline in shared memory, per env and ring slot; a longer value
+            spills, that env only, to the worker's pipe. 0: every non-empty
+            text spills.
     """
 
     def __init__(
@@ -182,6 +187,7 @@ class ShmVectorEnv(VectorEnvBase):
         validate_actions: bool = False,
         env_concurrency: int | None = None,
         pin_workers: bool | None = None,
+        text_bytes: int = TEXT_BYTES,
     ) -> None:
         self.closed = True  # until the workers are up; close() is then a no-op
         check_no_worker(worker)
@@ -197,7 +203,7 @@ class ShmVectorEnv(VectorEnvBase):
             ring_depth=ring_depth, spin_ns=spin_ns, on_worker_death=on_worker_death,
             on_env_error=on_env_error, env_timeout=env_timeout, step_in_main=step_in_main,
             fallback=fallback, validate_actions=bool(validate_actions),
-            env_concurrency=env_concurrency, pin_workers=pin_workers,
+            env_concurrency=env_concurrency, pin_workers=pin_workers, text_bytes=text_bytes,
         )  # fmt: skip
         described = describe_envs(env_fns, observation_mode)
         self.metadata = {**described.metadata, "autoreset_mode": self.autoreset_mode}
@@ -211,8 +217,9 @@ class ShmVectorEnv(VectorEnvBase):
         self.group_size = group_size
         self.is_async = self.batch_size < num_envs  # the EnvPool-style API
         self.env_tags: list[str] | None = None  # set by shmvec.make_mix
-        self._obs_codec = make_codec(self.single_observation_space, shared_memory)
-        self._action_codec = make_codec(self.single_action_space)
+        self.text_bytes = int(tuning.text_bytes)
+        self._obs_codec = make_codec(self.single_observation_space, shared_memory, self.text_bytes)
+        self._action_codec = make_codec(self.single_action_space, True, self.text_bytes)
         if self.is_async and self._action_codec.pickled:
             raise ValueError(
                 f"batch_size < num_envs needs a fixed-size action space, not "
@@ -314,13 +321,24 @@ class ShmVectorEnv(VectorEnvBase):
             self._assert_idle("step_async")
         rounds = self._rounds
         rounds.finish_unfinished()
-        per_env = self._actions.write_batch(actions, self.num_envs) if write else None
+        per_env, spills = (
+            self._actions.write_batch(actions, self.num_envs) if write else (None, None)
+        )
         if per_env is not None:
             rounds.send_blocks("actions", per_env)
         rounds.post(
             STEP, rounds.obs_arg(rounds.next_slot()) | (0 if per_env is None else BY_VALUE_BIT)
         )
+        if spills:  # after the post: a worker reads them as it steps (no full pipe waits)
+            self._send_spills(spills)
         self._state = AsyncState.WAITING_STEP
+
+    def _send_spills(self, spills: Spills) -> None:
+        """Sends each worker the spilled text of its envs' actions, by env."""
+        for index, rows in enumerate(self._env_blocks):
+            mine = {env: spill for env, spill in spills.items() if env in rows}
+            if mine:
+                self._pool.send(index, "spills", mine)
 
     def step_wait(
         self, timeout: float | None = None
@@ -385,7 +403,9 @@ class ShmVectorEnv(VectorEnvBase):
     def _send(self, actions: Any, env_ids: Any) -> None:
         engine = self._async_engine()
         env_ids = engine.send_env_ids(env_ids)
-        self._actions.write_rows(env_ids, actions)
+        spills = self._actions.write_rows(env_ids, actions)
+        if spills:  # before the command, as a reset's seed: the worker waits for them
+            self._send_spills(spills)
         engine.start_envs(env_ids, ENV_STEP)
 
     def _recv(
@@ -527,7 +547,7 @@ def _worker_spec(env: ShmVectorEnv, spin: Spin) -> WorkerSpec:
         main_pid=os.getpid(),
         use_death_signal=threading.current_thread() is threading.main_thread(),
         on_env_error=env.on_env_error,
-        env_concurrency=env.env_concurrency, pin_cpu=env.pin_workers,
+        env_concurrency=env.env_concurrency, pin_cpu=env.pin_workers, text_bytes=env.text_bytes,
         obs_regions=lease_regions(
             env._obs_codec.columns(), env.batch_size, env.ring_depth if env.is_async else 0
         ),

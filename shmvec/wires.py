@@ -97,7 +97,7 @@ class SyncWire:
         slot = plan.arg & SLOT_MASK
         worker.slot_views[slot].info_codes[worker.rows.start : worker.rows.stop] = 0
         why = {"worker_restarted": True}
-        infos, errors = [], []
+        infos, errors, spills = [], [], []
         if kind == RESET:  # the reset asked for, of every env (all are new)
             seeds, options, mask = worker.recv("reset")
             if mask is not None:
@@ -113,13 +113,15 @@ class SyncWire:
                 else:
                     worker.envs[i].reset()
                     continue
-                self.block.stepper.write(obs_target, self.block.slots[slot], row, result)
+                spill = self.block.stepper.write(obs_target, self.block.slots[slot], row, result)
                 infos.append((row, result[4]))
+                if spill:
+                    spills.append((row, spill))
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
                 errors.append((row, exc, traceback.format_exc()))
         if kind not in (STEP, RESET):
             return worker.message([], errors, {})
-        return worker.message(infos, errors, obs_target)
+        return worker.message(infos, errors, obs_target, (), spills)
 
 
 class AsyncWire:
@@ -203,13 +205,15 @@ class AsyncWire:
                 slot, row = self.ring.claim()
             views, columns = worker.slot_views[slot], self.block.slots[slot]
             obs_target = {} if pickled else columns.obs_columns()
-            self.block.stepper.write(obs_target, columns, row, result)
+            spill = self.block.stepper.write(obs_target, columns, row, result)
             views.info_codes[row] = 0
             views.env_ids[row], views.messages[row] = env_id, 1
             worker.autoreset[i] = 1 if result[3] else 0
             if how != "rewrite":
                 self.ring.publish(slot)
             message: dict[str, Any] = {"row": (slot, row), "infos": [(row, result[4])]}
+            if spill:
+                message["spills"] = [(row, spill)]
             if pickled:
                 message["obs"] = obs_target
             worker.send(message)

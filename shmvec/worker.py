@@ -30,7 +30,8 @@ import numpy as np
 from shmvec import _core, _worker_loop
 from shmvec.concurrent_envs import ConcurrentEnvs
 from shmvec.errors import add_note
-from shmvec.layout import make_codec, make_layout
+from shmvec.layout import TEXT_BYTES, make_codec, make_layout
+from shmvec.outbox import Outbox
 from shmvec.protocol import (
     AUTORESET_SAME_STEP,
     BY_VALUE_BIT,
@@ -84,6 +85,8 @@ class WorkerSpec:
     # Lease regions in the segment (shmvec.layout.lease_regions; async mode: one
     # more per ring slot).
     obs_regions: int = 0
+    # Inline UTF-8 bytes of each UnboundedText row (shmvec.layout.Utf8TextCodec).
+    text_bytes: int = TEXT_BYTES
 
 
 class SegmentFd:
@@ -227,6 +230,7 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
     try:
         worker.serve()
     finally:
+        worker.outbox.close()
         pipe.close()
 
 
@@ -268,14 +272,21 @@ class Worker:
     def __init__(self, spec: WorkerSpec, segment, pipe, envs: list) -> None:
         self.spec = spec
         self.pipe = pipe
+        # Sends never block the worker: main reads a batch's messages only once
+        # the batch is full (shmvec/outbox.py).
+        self.outbox = Outbox(pipe)
         self.envs = envs
         layout = make_layout(spec)
         buffer = memoryview(segment)
         line = slice(spec.index, spec.index + 1)
-        self.obs_codec = make_codec(spec.observation_space, spec.shared_memory)
+        self.obs_codec = make_codec(spec.observation_space, spec.shared_memory, spec.text_bytes)
         stepper = _worker_loop.Stepper(
-            make_codec(spec.action_space), self.obs_codec, spec.autoreset_mode
+            make_codec(spec.action_space, True, spec.text_bytes),
+            self.obs_codec,
+            spec.autoreset_mode,
         )
+        stepper.take_spill = self.take_spill
+        self.spilled_actions: dict[int, dict] = {}  # env id -> its action's spilled text
         barrier = _worker_loop.WorkerBarrier(
             segment.address + layout.barrier_offset, spec.num_workers
         )
@@ -341,7 +352,7 @@ class Worker:
         return self.wire.recover(plan)
 
     def send(self, message: dict) -> None:
-        _send(self.pipe, message)
+        _send(self.outbox, message)
 
     def run_command(self, command: tuple) -> bool:
         """Runs one barrier command; False once the worker must exit."""
@@ -374,6 +385,15 @@ class Worker:
                 return payload
             self.inbox.setdefault(got, []).append(payload)
 
+    def take_spill(self, env_id: int) -> dict:
+        """The spilled text of env ``env_id``'s action (``{path: text}``), which
+        main sent on the pipe before the env's command (or just after a sync
+        round's)."""
+        spilled = self.spilled_actions
+        while env_id not in spilled:
+            spilled.update(self.recv("spills"))
+        return spilled.pop(env_id)
+
     def obs_target(self, arg: int):
         """Where observations of the sync round of ``arg`` (slot and region, see
         protocol.REGION_SHIFT) go: columns, or a dict to pickle."""
@@ -391,10 +411,10 @@ class Worker:
             action_views[self.rows.start : self.rows.stop] = self.recv("actions")
         obs_target = self.obs_target(arg)
         # hook: Block.step_block, or concurrent_envs' threaded stand-in
-        infos, errors, announced = self.concurrency.step(
+        infos, errors, announced, spills = self.concurrency.step(
             self.block, action_views, obs_target, arg & SLOT_MASK
         )
-        return self.message(infos, errors, obs_target, announced)
+        return self.message(infos, errors, obs_target, announced, spills)
 
     def truncated_reset(self, i: int, why: dict | BaseException) -> tuple:
         """Env ``i`` lost its state (it raised, or its worker died): reset it and
@@ -411,11 +431,14 @@ class Worker:
             merged = [{"final_obs": obs, "final_info": info}, info]
         return obs, 0.0, False, True, merged
 
-    def message(self, infos, errors, obs_target, announced=()) -> dict:
-        """A round's message: empty when it has nothing to send."""
+    def message(self, infos, errors, obs_target, announced=(), spills=()) -> dict:
+        """A round's message: empty when it has nothing to send. ``spills``:
+        ``(row, {path: text})`` of observations whose text spilled."""
         message = {}
         if announced:
             message["info_columns"] = announced
+        if spills:
+            message["spills"] = spills
         if infos:
             message["infos"] = infos
         if errors:
@@ -429,25 +452,28 @@ class Worker:
         obs_target = self.obs_target(arg)
         # Reset infos are pickled (resets are rare): clear this block's columns.
         self.slot_views[arg & SLOT_MASK].info_codes[self.rows.start : self.rows.stop] = 0
-        infos, errors = [], []
+        infos, errors, spills = [], [], []
 
         def reset_env(i: int) -> tuple:
             try:
                 result = _worker_loop.reset_result(self.envs[i], seeds[i], options[i])
-                self.obs_codec.write(obs_target, self.rows[i], result[0])
+                spill = self.obs_codec.write(obs_target, self.rows[i], result[0])
                 self.autoreset[i] = 0
-                return result[4], None
+                return result[4], spill, None
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
-                return None, (exc, traceback.format_exc())
+                return None, None, (exc, traceback.format_exc())
 
         todo = [i for i in range(len(self.envs)) if mask is None or mask[i]]
         # hook: concurrent_envs resets waiting envs in threads too; results by row
-        for i, (info, error) in zip(todo, self.concurrency.map_envs(reset_env, todo)):
+        for i, (info, spill, error) in zip(todo, self.concurrency.map_envs(reset_env, todo)):
             if error is not None:
                 errors.append((self.rows[i], *error))
-            elif info:
+                continue
+            if info:
                 infos.append((self.rows[i], info))
-        return self.message(infos, errors, obs_target)
+            if spill:
+                spills.append((self.rows[i], spill))
+        return self.message(infos, errors, obs_target, (), spills)
 
     def call(self, name: str, args: tuple, kwargs: dict) -> dict:
         results, errors = [], []

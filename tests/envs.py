@@ -605,3 +605,75 @@ class ActionRecorderEnv(gym.Env):
     def step(self, action):
         self.received.append((type(action).__name__, repr(action)))
         return np.zeros(1, np.float32), 0.0, False, False, {}
+
+
+#: ChatEnv's characters: ASCII, Latin-1, card suits, bullets, currency signs,
+#: CJK, characters outside the BMP (4 UTF-8 bytes) and a lone surrogate.
+TEXT_ALPHABET = np.array(list("ab z09\n\t<>é€£¥♠♥♦♣•—…中文字😀🂡𝄞\ud800"))
+
+
+def random_text(rng: np.random.Generator, longest: int = 50_000) -> str:
+    """Text of 0 to ``longest`` characters from TEXT_ALPHABET: mostly short,
+    often a few KB (around a 4 KiB row), sometimes far beyond."""
+    kind = rng.random()
+    if kind < 0.5:
+        length = int(rng.integers(0, 300))
+    elif kind < 0.8:
+        length = int(rng.integers(300, 6_000))
+    else:
+        length = int(rng.integers(6_000, longest + 1))
+    return "".join(TEXT_ALPHABET[rng.integers(0, len(TEXT_ALPHABET), length)].tolist())
+
+
+def random_texts(rng: np.random.Generator, n: int, longest: int = 50_000) -> tuple[str, ...]:
+    """A batch of ``n`` ``random_text``s, as gymnasium batches Text."""
+    return tuple(random_text(rng, longest) for _ in range(n))
+
+
+class ChatEnv(gym.Env):
+    """Text in, text out, of any length (``shmvec.UnboundedText``): the
+    observation is fresh random text followed by the action reversed, so a
+    wrongly delivered action shows up in the results. Episodes of 2 to 6 turns,
+    a numeric info every step and a pickled one (a str) now and then.
+
+    ``dict_obs``: the observation is a Dict of a Box and the text.
+    """
+
+    def __init__(self, dict_obs: bool = False, longest: int = 50_000) -> None:
+        from shmvec import UnboundedText
+
+        text = UnboundedText()
+        self.dict_obs = dict_obs
+        self.longest = longest
+        self.observation_space = (
+            spaces.Dict({"turn": spaces.Box(0, np.inf, (2,), np.float32), "chat": text})
+            if dict_obs
+            else text
+        )
+        self.action_space = UnboundedText()
+        self.t = 0
+        self.length = 2
+
+    def _obs(self, text: str, heard: int) -> Any:
+        if self.dict_obs:
+            return {"turn": np.array([self.t, heard], np.float32), "chat": text}
+        return text
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.length = int(self.np_random.integers(2, 7))
+        return self._obs(random_text(self.np_random, self.longest), 0), {}
+
+    def step(self, action):
+        if not isinstance(action, str):
+            raise TypeError(f"ChatEnv takes a str, got {action!r}")
+        self.t += 1
+        text = random_text(self.np_random, self.longest) + "|" + action[::-1]
+        reward = float(len(action.encode("utf-8", "surrogatepass")))
+        terminated = self.t >= self.length
+        truncated = not terminated and bool(self.np_random.random() < 0.1)
+        info: dict[str, Any] = {"heard": len(action)}
+        if self.t % 3 == 0:
+            info["tail"] = action[-5:]
+        return self._obs(text, len(action)), reward, terminated, truncated, info

@@ -70,9 +70,13 @@ def run_equivalence(
     steps: int = 40,
     seed=11,
     partial_reset_at: int | None = 17,
+    sample_actions=None,
     **shm_kwargs,
 ) -> dict:
     """Steps Sync and Shm side by side and compares every result.
+
+    ``sample_actions(t)``: the batch of actions of step ``t`` (default: samples
+    of the batched action space).
 
     In DISABLED mode the envs that ended are reset with a ``reset_mask`` in
     both (SyncVectorEnv refuses to step them otherwise). At step
@@ -126,7 +130,7 @@ def run_equivalence(
                 stats["masked_resets"] += 1
                 ended[mask] = False
 
-            actions = action_space.sample()
+            actions = action_space.sample() if sample_actions is None else sample_actions(t)
             result_b = shm.step(actions)
             result_a = sync.step(actions)
             assert_step_same(result_b, result_a, f"step {t}")

@@ -448,3 +448,21 @@ def test_actors_spread_over_nodes_or_pinned(session):
     started = time.monotonic()
     session.stop()
     assert time.monotonic() - started < 30
+
+
+def test_unbounded_text_equals_sync_vector_env(local_ray):
+    """Text of any length (shmvec.UnboundedText) each way through Ray's object
+    store, spilled in the actors' ShmVectorEnvs (a 64-byte inline capacity)."""
+    num_envs = 4
+    fns = test_envs.class_fns(test_envs.ChatEnv, num_envs, longest=20_000)
+    sync = SyncVectorEnv(test_envs.class_fns(test_envs.ChatEnv, num_envs, longest=20_000))
+    envs = make_ray_env(fns, vector_kwargs={"num_workers": 1, "text_bytes": 64})
+    try:
+        assert envs.observation_space == sync.observation_space
+        assert_same(envs.reset(seed=3), sync.reset(seed=3), "reset")
+        for t in range(12):
+            actions = test_envs.random_texts(np.random.default_rng(t), num_envs, 20_000)
+            assert_same(envs.step(actions), sync.step(actions), f"step {t}")
+    finally:
+        envs.close()
+        sync.close()

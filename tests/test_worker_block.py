@@ -136,8 +136,8 @@ def test_a_part_is_one_env_counted_from_the_worker_block():
     part = block.part(2, scratch)
     assert (part.first_row, part.first_index, len(part.envs)) == (5, 2, 1)
     slot = worker.slot_views[0]
-    infos, errors_out, announced = part.step_block(worker.action_views, slot.obs, 0)
-    assert (infos, errors_out, announced) == ([], [], [])
+    infos, errors_out, announced, spills = part.step_block(worker.action_views, slot.obs, 0)
+    assert (infos, errors_out, announced, spills) == ([], [], [], [])
     assert errors == [(2, "env 5 failed")]  # i counts from the worker's first env
     assert slot.obs[0][5].tolist() == [-1.0, -1.0] and slot.truncations[5] == 1
     assert worker.autoreset.tolist() == [0, 0, 1]  # the part's flag is the block's

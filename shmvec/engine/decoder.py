@@ -4,6 +4,8 @@ Data flow: workers leave a round's (or an async batch's) results in a ring
 slot's columns and, when there is more, in messages; the decoder turns them
 into the observation batch, the (rewards, terminations, truncations) arrays
 and the infos dict, with one info merge for whole batches and async rows.
+Text that spilled out of its row (shmvec/layout.py, ``Utf8TextCodec``) comes
+in the messages' ``"spills"`` and is put back in its row.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from shmvec import infos as info_columns
 from shmvec.batching import batch_infos
 from shmvec.engine.leases import ObsLeases
 from shmvec.errors import add_note
+from shmvec.layout import Spills
 
 
 class ResultDecoder:
@@ -44,6 +47,10 @@ class ResultDecoder:
         block_groups = [slice(rows.start, rows.stop) for rows in blocks]
         self.block_groups = lambda: block_groups  # a sync round's rows per worker, on demand
         self.pickled_obs: list | None = None  # last obs of each env, pickled spaces
+        # Sync mode: the spilled text of the last batch read, by env, and what a
+        # masked reset carries over of it (carry_over_obs).
+        self.last_spills: Spills = {}
+        self.carried_spills: Spills = {}
         # per slot: (rewards, terminations, truncations), the flags as bool
         self._outcomes = [
             (v.rewards, v.terminations.view(np.bool_), v.truncations.view(np.bool_)) for v in slots
@@ -87,6 +94,15 @@ class ResultDecoder:
 
     def batch_obs(self, slot: int, messages: dict[int, dict], region: int | None = None) -> Any:
         """A sync round's observations, from lease region ``region`` if not None."""
+        if self.obs_codec.can_spill:
+            spills = self.carried_spills
+            self.carried_spills = {}
+            for message in messages.values():
+                spills.update(message.get("spills", ()))
+            self.last_spills = spills
+            if region is not None and self.leases is not None:
+                return self.leases.read(region, spills=spills)
+            return self.obs_codec.read_batch(self.slots[slot].obs, self.copy, spills)
         if region is not None and self.leases is not None:
             return self.leases.read(region)
         if self.obs_codec.pickled:
@@ -105,20 +121,27 @@ class ResultDecoder:
             return  # batch_obs keeps the last value of every env
         for new, old in zip(columns, previous):
             new[rows] = old[rows]
+        if self.obs_codec.can_spill:
+            self.carried_spills = {r: v for r, v in self.last_spills.items() if rows[r]}
 
     def rows_obs(self, views, messages: dict[int, dict], rows: int, region: int | None) -> Any:
         """An async batch's observations, of the first ``rows`` rows of the slot
         ``views``, ``messages`` by row; from lease region ``region`` if not None."""
         full = rows == self.slot_rows
+        spills = None
+        if self.obs_codec.can_spill:
+            spills = {}
+            for message in messages.values():
+                spills.update(message.get("spills", ()))
         if region is not None and self.leases is not None:
-            return self.leases.read(region, None if full else rows)
+            return self.leases.read(region, None if full else rows, spills)
         if self.obs_codec.pickled:
             values = [None] * rows
             for row, message in messages.items():
                 values[row] = next(iter(message["obs"].values()))
             return self.obs_codec.read_batch(values, self.copy)
         columns = views.obs if full else [column[:rows] for column in views.obs]
-        return self.obs_codec.read_batch(columns, self.copy)
+        return self.obs_codec.read_batch(columns, self.copy, spills)
 
     def outcomes(
         self, slot: int, rows: int | None = None

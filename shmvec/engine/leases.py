@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from shmvec import _worker_loop
-from shmvec.layout import Codec, SegmentLayout
+from shmvec.layout import Codec, SegmentLayout, Spills
 
 
 class ObsLeases:
@@ -65,10 +65,11 @@ class ObsLeases:
             self.free.append(unread)
         return region
 
-    def read(self, region: int, rows: int | None = None) -> Any:
+    def read(self, region: int, rows: int | None = None, spills: Spills | None = None) -> Any:
         """The observations written into ``region`` (its first ``rows``; None:
         all), as arrays over it: the region is held until the last of them (and
-        of their views) is gone."""
+        of their views) is gone. ``spills``: the rows' spilled text
+        (shmvec/layout.py)."""
         start, stop = self.spans[region]
         lease = _worker_loop.RegionLease(
             self.segment, self.segment.address + start, stop - start, self.free, region
@@ -82,4 +83,4 @@ class ObsLeases:
             )
             for offset, shape, dtype in self.leaves[region]
         ]
-        return self.codec.read_batch(arrays, False)
+        return self.codec.read_batch(arrays, False, spills)

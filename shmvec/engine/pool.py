@@ -28,6 +28,7 @@ from shmvec.engine.options import EngineOptions
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.in_process import InProcessWorker, LoopbackPipe
 from shmvec.layout import make_layout
+from shmvec.outbox import Outbox
 from shmvec.protocol import LIVENESS_CHECK_S
 from shmvec.start_method import worker_context
 from shmvec.worker import SegmentFd, WorkerSpec, worker_main
@@ -68,6 +69,8 @@ class WorkerPool:
         self.segment: Any = None  # the mapped _core.Segment, once open
         self.workers: list = []
         self.pipes: list = []
+        # By worker, over its current pipe: sends that never block main (shmvec/outbox.py).
+        self.outboxes: dict[int, Outbox] = {}
         # Per worker: (replies, row messages) read but not yet asked for.
         self.stashed: list[tuple[deque, deque]] = [(deque(), deque()) for _ in blocks]
         self.main_worker: InProcessWorker | None = None
@@ -166,6 +169,9 @@ class WorkerPool:
         dead one sent stay readable (row messages are kept, replies dropped)."""
         self.workers[index].join(1.0)
         self.drain(index)
+        outbox = self.outboxes.pop(index, None)
+        if outbox is not None:
+            outbox.close(flush_s=0.0)
         self.pipes[index].close()
         self.stashed[index][False].clear()  # replies to rounds it will never finish
         self.message_flags[index] = 0  # a round's message it flagged died with it
@@ -179,13 +185,22 @@ class WorkerPool:
         """Sends worker ``index`` a payload it reads with ``Worker._recv(tag)``."""
         message = pickle.dumps((tag, payload), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self.pipes[index].send_bytes(message)
+            self._outbox(index).send_bytes(message)
         except (BrokenPipeError, ConnectionResetError):
             self.workers[index].join(1.0)
             if self.restart_on_death and self.workers[index].exitcode is not None:
                 return  # the round's wait restarts it (and resends a reset)
             self.check_alive(index)  # raises WorkerDiedError
             raise
+
+    def _outbox(self, index: int) -> Outbox:
+        """The outbox over worker ``index``'s current pipe."""
+        pipe, outbox = self.pipes[index], self.outboxes.get(index)
+        if outbox is None or outbox.conn is not pipe:
+            if outbox is not None:
+                outbox.close(flush_s=0.0)
+            outbox = self.outboxes[index] = Outbox(pipe)
+        return outbox
 
     def recv(self, index: int, timeout: float | None, row: bool = False) -> dict:
         """The next message of worker ``index``, noticing its death.
@@ -276,9 +291,12 @@ class WorkerPool:
 
     def release(self) -> None:
         """Closes the pipes and the segment's fd (the mapping lives while views do)."""
+        for outbox in self.outboxes.values():
+            outbox.close(flush_s=0.0)
         for pipe in self.pipes:
             pipe.close()
         self.pipes = []
+        self.outboxes = {}
         self.workers = []
         if self.segment is not None:
             self.segment.close_fd()
