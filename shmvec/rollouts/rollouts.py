@@ -76,6 +76,18 @@ def rows_of(batch: Any) -> list[Any]:
     return list(batch)
 
 
+def join_batches(batches: list[Any]) -> Any:
+    """Batched values (of the same space) as one batch, in order."""
+    if len(batches) == 1:
+        return batches[0]
+    first = batches[0]
+    if isinstance(first, np.ndarray):
+        return np.concatenate(batches)
+    if isinstance(first, dict):
+        return {key: join_batches([b[key] for b in batches]) for key in first}
+    return tuple(value for batch in batches for value in batch)
+
+
 def take_rows(batch: Any, rows: list[int]) -> Any:
     """Rows ``rows`` of a batched value, batched the same way."""
     if isinstance(batch, np.ndarray):
@@ -176,6 +188,9 @@ class Rollouts:
             getattr(envs, "env_tags", None) or [None] * self.num_envs
         )
         self._action_space = envs.single_action_space
+        # Batches that are ready are received together only while each stays
+        # valid (copies): views of the ring are reused by later recv()s.
+        self._drains = bool(getattr(envs, "copy", True))
 
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # anything the waiters wait for
@@ -433,7 +448,7 @@ class Rollouts:
                 "label_share": {
                     label: {
                         "launched": count / launched_labels,
-                        "delivered": _share(delivered, lambda r, label=label: r[2] == label),
+                        "delivered": _share(delivered, _has_label(label)),
                     }
                     for label, count in self._labels_launched.items()
                 },
@@ -510,7 +525,8 @@ class Rollouts:
 
     def _assign(self, now: float) -> list[tuple[int, Trajectory]]:
         """Queued attempts paired with free envs of their tag."""
-        starts, waiting = [], deque()
+        starts: list[tuple[int, Trajectory]] = []
+        waiting: deque[Trajectory] = deque()
         while self._queue:
             traj = self._queue.popleft()
             if traj.status is not Status.RUNNING:
@@ -689,9 +705,8 @@ class Rollouts:
     def _send(self, answers: list[tuple[int, Any]]) -> None:
         env_ids = [env for env, _ in answers]
         space = self._action_space
-        actions = concatenate(
-            space, [a for _, a in answers], create_empty_array(space, len(answers))
-        )
+        out: Any = create_empty_array(space, len(answers))
+        actions = concatenate(space, [a for _, a in answers], out)
         ids = np.array(env_ids, dtype=np.int64)
         self._expect_reset[ids] = False
         self._sent_s[ids] = time.monotonic()
@@ -699,24 +714,38 @@ class Rollouts:
         self.envs.send(actions, ids)
 
     def _receive(self) -> None:
-        partial = len(self._busy) < self.batch_size
+        """Receives a batch (fewer rows when fewer envs run), then, for a batched
+        policy, every further batch that is ready already: the policy answers all
+        the rows that wait, in one call."""
+        running = len(self._busy)
         timeout = POLL_S if self._awaiting else RECV_SLICE_S
         try:
-            if partial:
-                result = self.envs.recv(timeout=timeout, partial=True)
-            else:
-                result = self.envs.recv(timeout=timeout)
+            results = [self.envs.recv(timeout=timeout, partial=running < self.batch_size)]
         except (multiprocessing.TimeoutError, TimeoutError):
             return
+        running -= len(results[0][1])
+        while self._runner is None and self._drains and running >= self.batch_size:
+            try:
+                results.append(self.envs.recv(timeout=0))
+            except (multiprocessing.TimeoutError, TimeoutError):
+                break
+            running -= self.batch_size
         with self._changed:
-            rows = self._record(result)
-            if not rows:
+            parts = [(result[0], self._record(result)) for result in results]
+            # A row recorded early may belong to an attempt that a later row's
+            # outcome cancelled (its group completed or was dropped): its env is
+            # free already.
+            parts = [(obs, [(i, e) for i, e in rows if self._on_env[e]]) for obs, rows in parts]
+            parts = [(obs, rows) for obs, rows in parts if rows]
+            if not parts:
                 return
             if self._runner is not None:
-                self._ask_per_row(rows, result[0])
+                for obs, rows in parts:
+                    self._ask_per_row(rows, obs)
                 return
-            self._in_batch.update(env for _, env in rows)
-        self._ask_batched(rows, result[0])
+            for _, rows in parts:
+                self._in_batch.update(env for _, env in rows)
+        self._ask_batched(parts)
 
     def _record(self, result: tuple) -> list[tuple[int, int]]:
         """Records a received batch; returns the rows (row, env) that await an action."""
@@ -762,9 +791,7 @@ class Rollouts:
                     self._finish(group, traj, status, now)
                     continue
             needs.append((i, env))
-        # A row recorded early may belong to an attempt that a later row's outcome
-        # cancelled (its group completed or was dropped): its env is free already.
-        return [(i, env) for i, env in needs if self._on_env[env] is not None]
+        return needs
 
     def _chosen_infos(self, infos: dict, row: int) -> dict[str, Any]:
         if not self.info_keys:
@@ -779,17 +806,19 @@ class Rollouts:
         )
         return info
 
-    def _ask_batched(self, rows: list[tuple[int, int]], obs: Any) -> None:
+    def _ask_batched(self, parts: list[tuple[Any, list[tuple[int, int]]]]) -> None:
+        """Asks the batched policy for the rows of ``parts`` ((observations of a
+        received batch, its (row, env) pairs that await an action)) and sends."""
         assert self._policy is not None
-        index = [i for i, _ in rows]
-        env_ids = [env for _, env in rows]
+        observations = join_batches([take_rows(obs, [i for i, _ in rows]) for obs, rows in parts])
+        env_ids = [env for _, rows in parts for _, env in rows]
         trajs = [self._on_env[env] for env in env_ids]
-        batch = PolicyBatch(take_rows(obs, index), trajs, np.array(env_ids, dtype=np.int64))  # type: ignore[arg-type]
+        batch = PolicyBatch(observations, trajs, np.array(env_ids, dtype=np.int64))  # type: ignore[arg-type]
         version = self.version
         started = time.monotonic()
         try:
             output = self._policy(batch)
-            actions, extras = split_batch_output(output, len(rows), env_ids)
+            actions, extras = split_batch_output(output, len(env_ids), env_ids)
             per_row = rows_of(actions)
         except PolicyError:
             raise
@@ -858,6 +887,10 @@ class Rollouts:
 
 def _version_or(version: int | None, default: int) -> int:
     return default if version is None else version
+
+
+def _has_label(label: Any) -> Callable[[tuple], bool]:
+    return lambda resolved: resolved[2] == label
 
 
 def _share(items: list, predicate: Callable[[Any], bool]) -> float:
