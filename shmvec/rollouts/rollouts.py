@@ -432,7 +432,7 @@ class Rollouts:
                 "label_share": {
                     label: {
                         "launched": count / launched_labels,
-                        "delivered": _share(delivered, lambda r, label=label: r[2] == label),
+                        "delivered": _share(delivered, _label_is(label)),
                     }
                     for label, count in self._labels_launched.items()
                 },
@@ -509,7 +509,8 @@ class Rollouts:
 
     def _assign(self, now: float) -> list[tuple[int, Trajectory]]:
         """Queued attempts paired with free envs of their tag."""
-        starts, waiting = [], deque()
+        starts: list[tuple[int, Trajectory]] = []
+        waiting: deque[Trajectory] = deque()
         while self._queue:
             traj = self._queue.popleft()
             if traj.status is not Status.RUNNING:
@@ -688,9 +689,9 @@ class Rollouts:
     def _send(self, answers: list[tuple[int, Any]]) -> None:
         env_ids = [env for env, _ in answers]
         space = self._action_space
-        actions = concatenate(
-            space, [a for _, a in answers], create_empty_array(space, len(answers))
-        )
+        # None for a space gymnasium batches as a tuple (its concatenate ignores ``out``).
+        out: Any = create_empty_array(space, len(answers))
+        actions = concatenate(space, [a for _, a in answers], out)
         ids = np.array(env_ids, dtype=np.int64)
         self._expect_reset[ids] = False
         self._sent_s[ids] = time.monotonic()
@@ -859,6 +860,10 @@ def _version_or(version: int | None, default: int) -> int:
 
 def _share(items: list, predicate: Callable[[Any], bool]) -> float:
     return sum(1 for item in items if predicate(item)) / len(items) if items else 0.0
+
+
+def _label_is(label: Any) -> Callable[[tuple], bool]:
+    return lambda resolved: resolved[2] == label
 
 
 def check_envs(envs: Any) -> None:
