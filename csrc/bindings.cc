@@ -220,6 +220,16 @@ exposed for tests; the workers call them from Cython.
       .def("claimed", [](PyRing& r) { return r.ring.claimed(); })
       .def("release", [](PyRing& r, uint32_t slot) { r.ring.release(slot); })
       .def(
+          "pad", [](PyRing& r, uint32_t slot, uint32_t rows) { r.ring.pad(slot, rows); },
+          py::arg("slot"), py::arg("rows"),
+          "Counts `rows` rows of `slot` as published though no worker writes them.")
+      .def(
+          "unpad", [](PyRing& r, uint32_t slot, uint32_t rows) { r.ring.unpad(slot, rows); },
+          py::arg("slot"), py::arg("rows"), "Takes back pad()'s rows of an unconsumed slot.")
+      .def(
+          "skip", [](PyRing& r, uint32_t rows) { r.ring.skip(rows); }, py::arg("rows"),
+          "Moves the claim counter past `rows` padded rows (no worker may claim now).")
+      .def(
           "set_handoff", [](PyRing& r, bool on) { r.ring.set_handoff(on); },
           py::arg("on"), "Whether the worker that wakes main then yields its core.");
 

@@ -50,6 +50,21 @@ void ResultRing::release(uint32_t slot) noexcept {
   filled_[slot].value.store(0, std::memory_order_release);
 }
 
+void ResultRing::pad(uint32_t slot, uint32_t rows) noexcept {
+  // seq_cst, as publish: if the workers' last publish comes after this add, it
+  // is the one that sees batch_size and wakes main.
+  filled_[slot].value.fetch_add(rows, std::memory_order_seq_cst);
+}
+
+void ResultRing::unpad(uint32_t slot, uint32_t rows) noexcept {
+  filled_[slot].value.fetch_sub(rows, std::memory_order_seq_cst);
+}
+
+void ResultRing::skip(uint32_t rows) noexcept {
+  // acq_rel: one link of the chain of claims, as claim's.
+  header_->claimed.fetch_add(rows, std::memory_order_acq_rel);
+}
+
 void Doorbell::ring() noexcept {
   w_->rings.value.fetch_add(1, std::memory_order_seq_cst);
   if (w_->sleepers.value.load(std::memory_order_seq_cst) != 0) {

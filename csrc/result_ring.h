@@ -12,11 +12,17 @@
 //   main:    wait_full(slot) returns once the slot's batch_size rows are
 //            published; reads them; release(slot) hands the slot back
 //
+// A batch of fewer rows (recv(partial=True), when only n < batch_size envs
+// run): their n claims are the first rows of the current slot, so main pad()s
+// the slot with the batch_size - n rows no worker will claim, waits for it to
+// fill as usual (the last real publish wakes it), reads the n rows and skip()s
+// the claim counter past the padding before it gives any env a new command.
+//
 // The ring never overruns while num_slots * batch_size >= num_envs +
 // batch_size (why: docs/design/protocol.md, "The result ring").
 //
 // Who may call what: claim/publish any worker, concurrently; wait_full,
-// release and filled the main process; ring the main process; wait the
+// release, filled, pad, unpad and skip the main process; ring the main process; wait the
 // doorbell's worker.
 #pragma once
 
@@ -72,6 +78,17 @@ class ResultRing {
   uint64_t claimed() const noexcept;
   // [main] Hands a consumed slot back to the workers.
   void release(uint32_t slot) noexcept;
+  // [main] Counts `rows` rows of `slot` as published although no worker will
+  // write them: the rows past the last claim of the envs still running, for a
+  // batch of fewer rows. The publish of the last real row then fills the slot.
+  void pad(uint32_t slot, uint32_t rows) noexcept;
+  // [main] Takes back pad()'s rows of a slot main did not consume (its wait
+  // timed out): the slot then counts only the rows workers published.
+  void unpad(uint32_t slot, uint32_t rows) noexcept;
+  // [main] Moves the claim counter past `rows` padded rows. Only while no
+  // worker can claim: every running env's row is published and no env has a
+  // new command, so the next claim is the first row of the next slot.
+  void skip(uint32_t rows) noexcept;
 
  private:
   RingHeader* header_;

@@ -1,10 +1,13 @@
 # Included by _worker_loop.pyx: the main process's loops over the segment's
 # columns (marked [main]); the workers' are in _worker_loop.pyx itself.
 
-def count_ended(SlotColumns slot):
-    """[main] How many rows of ``slot`` ended an episode (terminated or truncated)."""
+def count_ended(SlotColumns slot, Py_ssize_t rows=-1):
+    """[main] How many rows of ``slot`` (its first ``rows``; -1: all) ended an
+    episode (terminated or truncated)."""
     cdef Py_ssize_t row, ended = 0
-    for row in range(slot.terminations.shape[0]):
+    if rows < 0 or rows > slot.terminations.shape[0]:
+        rows = slot.terminations.shape[0]
+    for row in range(rows):
         ended += (slot.terminations[row] | slot.truncations[row]) != 0
     return ended
 

@@ -280,7 +280,9 @@ class VectorEnvBase(VectorEnv):
         """``send`` in async mode."""
         raise NotImplementedError
 
-    def _recv(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def _recv(
+        self, timeout: float | None, partial: bool
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """``recv`` in async mode."""
         raise NotImplementedError
 
@@ -335,16 +337,25 @@ class VectorEnvBase(VectorEnv):
             return
         self.step_async(in_env_order(self.single_action_space, actions, env_ids, self.num_envs))
 
-    def recv(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def recv(
+        self, timeout: float | None = None, *, partial: bool = False
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """The next ``batch_size`` results: ``(obs, rewards, terminations,
         truncations, infos)`` with ``infos["env_id"]``, the env of each row.
+
+        Fewer than ``batch_size`` envs running is a RuntimeError, unless
+        ``partial=True``: then ``recv`` waits until every running env has
+        returned and gives their results, fewer than ``batch_size`` rows (every
+        array and info has that many). With ``batch_size`` or more envs running
+        ``partial`` changes nothing; with none running it is the same
+        RuntimeError.
 
         With ``batch_size == num_envs`` that is the pending reset (zero rewards)
         or step of every env.
         """
         self._assert_is_running()
         if self.is_async:
-            return self._recv(timeout)
+            return self._recv(timeout, partial)
         if self._sync_reset_pending:
             self._sync_reset_pending = False
             obs, infos = self.reset_wait(timeout)

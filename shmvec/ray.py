@@ -306,15 +306,20 @@ class RayVectorEnv(VectorEnvBase):
             block_actions = take_rows(self.single_action_space, actions, position[rows])
             self._pending[self.actors[k].step.remote(block_actions)] = (k, "step")
 
-    def _recv(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        """The first ``batch_size`` results to be ready, whole actor batches."""
+    def _recv(
+        self, timeout: float | None, partial: bool
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """The first ``batch_size`` results to be ready, whole actor batches; with
+        ``partial``, while fewer actors run, the batches of all of them."""
         need = self._batch_actors
         if len(self._pending) < need:
             running = sum(len(self.actor_env_ids[k]) for k, _ in self._pending.values())
-            raise RuntimeError(
-                f"recv() waits for batch_size={self.batch_size} results but only {running} "
-                "envs are running: send() actions first"
-            )
+            if not (partial and self._pending):
+                raise RuntimeError(
+                    f"recv() waits for batch_size={self.batch_size} results but only {running} "
+                    "envs are running: send() actions first"
+                )
+            need = len(self._pending)
         ready, _ = ray.wait(list(self._pending), num_returns=need, timeout=timeout)
         if len(ready) < need:
             raise multiprocessing.TimeoutError(
@@ -327,7 +332,7 @@ class RayVectorEnv(VectorEnvBase):
             actors.append(k)
             batches.append(self._async_result(k, kind, ref))
         obs, rewards, terminations, truncations, infos = self._join(
-            batches, actors, self.batch_size
+            batches, actors, sum(len(self.actor_env_ids[k]) for k in actors)
         )
         env_ids = np.concatenate([np.arange(*self._span(k)) for k in actors])
         infos["env_id"] = env_ids

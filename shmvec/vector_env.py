@@ -388,10 +388,12 @@ class ShmVectorEnv(VectorEnvBase):
         self._actions.write_rows(env_ids, actions)
         engine.start_envs(env_ids, ENV_STEP)
 
-    def _recv(self, timeout: float | None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def _recv(
+        self, timeout: float | None, partial: bool
+    ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """With ``copy=False`` the arrays are views of the ring, valid until the
-        next ``recv()``."""
-        return self._async_engine().recv(timeout)
+        next ``recv()`` (a partial batch's too: the first rows of a ring slot)."""
+        return self._async_engine().recv(timeout, partial)
 
     def _async_engine(self) -> AsyncEngine:
         assert self._async is not None, "batch_size < num_envs"

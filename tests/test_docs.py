@@ -35,6 +35,7 @@ MODULES = {
     "shmvec.torch": "torch",
     "shmvec.sb3": "stable_baselines3",
     "shmvec.ray": "ray",
+    "shmvec.rollouts": None,
 }
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -103,15 +104,19 @@ def test_docstring_examples(module_name: str, needs: str | None) -> None:
 
 
 #: Modules whose ``__all__`` the API reference must cover, and their reference pages.
-REFERENCE = {"shmvec": "shmvec.md", "shmvec.sb3": "sb3.md", "shmvec.ray": "ray.md"}
+REFERENCE = {
+    "shmvec": "shmvec.md",
+    "shmvec.sb3": "sb3.md",
+    "shmvec.ray": "ray.md",
+    "shmvec.rollouts": "rollouts.md",
+}
 AUTODOC = re.compile(r"^\.\. auto(?:class|function|exception):: ([\w.]+)", re.M)
 
 
 def _exported(module_name: str) -> list[str]:
     """``__all__`` of a module, read without importing it (its extras may be missing)."""
-    path = ROOT / (
-        module_name.replace(".", "/") + ("/__init__.py" if "." not in module_name else ".py")
-    )
+    base = ROOT / module_name.replace(".", "/")
+    path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets

@@ -187,6 +187,32 @@ def test_async_recv_returns_ready_actors_first(local_ray):
         envs.close()
 
 
+def test_async_partial_recv_returns_every_running_actor(local_ray):
+    """recv(partial=True) with fewer than batch_size envs running waits for every
+    running actor's batch and returns those rows; the plain recv still refuses."""
+    envs = make_ray_env([test_envs.CountingEnv] * 6, num_actors=3, batch_size=4)
+    try:
+        with pytest.raises(RuntimeError, match="only 0 envs are running"):
+            envs.recv(partial=True)
+        envs.async_reset(seed=0)
+        first = envs.recv()[4]["env_id"].tolist()
+        obs, rewards, terminations, truncations, infos = envs.recv(partial=True)
+        assert sorted(first + infos["env_id"].tolist()) == list(range(6))
+        assert obs.shape == (2, 2) and rewards.shape == terminations.shape == (2,)
+        envs.send(np.array([1, 2]), [4, 5])
+        with pytest.raises(RuntimeError, match="only 2 envs are running"):
+            envs.recv()
+        obs, rewards, terminations, truncations, infos = envs.recv(partial=True)
+        assert infos["env_id"].tolist() == [4, 5]
+        assert obs.tolist() == [[1, 1], [1, 2]] and truncations.shape == (2,)
+        envs.send(np.array([3, 3, 3, 3, 3, 3]), [0, 1, 2, 3, 4, 5])
+        rows = [envs.recv(partial=True)[4]["env_id"] for _ in range(2)]
+        assert [len(r) for r in rows] == [4, 2]
+        assert sorted(np.concatenate(rows).tolist()) == list(range(6))
+    finally:
+        envs.close()
+
+
 # ------------------------------------------------------------- call & co
 
 

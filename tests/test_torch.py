@@ -96,6 +96,19 @@ def test_async_send_recv_with_tensors():
     envs.close()
 
 
+def test_async_partial_recv_with_tensors():
+    envs = TorchVectorEnv(cartpoles(n=6, batch_size=4))
+    envs.shm.async_reset(seed=0)
+    ids = [envs.recv()[4]["env_id"], envs.recv(partial=True)[4]["env_id"]]
+    assert sorted(np.concatenate(ids).tolist()) == list(range(6))
+    envs.send(torch.ones(2, dtype=torch.int64), torch.as_tensor([1, 4]))
+    obs, rewards, terminations, truncations, infos = envs.recv(partial=True)
+    assert tuple(obs.shape) == (2, 4) and tuple(rewards.shape) == (2,)
+    assert tuple(terminations.shape) == tuple(truncations.shape) == (2,)
+    assert sorted(infos["env_id"].tolist()) == [1, 4]
+    envs.close()
+
+
 def test_refuses_other_vector_envs():
     with pytest.raises(TypeError, match="needs a ShmVectorEnv"):
         TorchVectorEnv(gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")]))
@@ -267,6 +280,15 @@ def test_span_packer_async_rows_and_refusals():
             np.testing.assert_array_equal(copied[0].numpy(), obs)
             np.testing.assert_array_equal(copied[1].numpy(), rewards)
             envs.send(np.ones(4, dtype=np.int64), infos["env_id"])
+        # A partial batch (its slot's first rows) is one span too.
+        envs.recv()
+        envs.recv()  # every env idle
+        envs.send(np.ones(3, dtype=np.int64), [1, 4, 6])
+        obs, rewards, terminations, truncations, infos = envs.recv(partial=True)
+        assert sorted(infos["env_id"].tolist()) == [1, 4, 6]
+        copied = packer.copy(packer.span([obs, rewards, terminations, truncations]))
+        np.testing.assert_array_equal(copied[0].numpy(), obs)
+        np.testing.assert_array_equal(copied[1].numpy(), rewards)
         # Arrays that are not views of the ring, or not numeric, have no span.
         assert packer.span([obs.copy()]) is None
         assert packer.span([(obs, "text")]) is None

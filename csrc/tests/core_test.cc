@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <climits>
@@ -393,7 +394,9 @@ struct RingRow {
 // (an action word and a sequence number, then the owner's doorbell); workers
 // "step" an env by computing a function of its action, claim a row, fill it
 // and publish it; main waits for each full slot in turn, checks its rows and
-// answers those envs with their next action.
+// answers those envs with their next action. With `partial`, main answers only
+// enough envs to keep a running cap that drops below the batch now and then:
+// a batch of the fewer running envs pads its slot, and skips the padding.
 struct RingArea {
   alignas(64) uint8_t ring_words[sizeof(RingHeader) + kRingSlots * sizeof(PaddedWord)];
   DoorbellWords bells[kMaxWorkers];
@@ -432,7 +435,8 @@ void ring_worker(RingArea* area, int index, int num_workers, SpinCase spin) {
   }
 }
 
-void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches) {
+void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches,
+               bool partial = false) {
   CHECK(num_workers <= kMaxWorkers && kRingEnvs % uint32_t(num_workers) == 0);
   Segment seg = Segment::create(64 + sizeof(RingArea));
   auto* area = new (seg.data() + 64) RingArea;
@@ -454,13 +458,19 @@ void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches) {
         if (wake[w]) Doorbell(&area->bells[w]).ring();
       }
     };
-    std::vector<uint32_t> all(kRingEnvs);
-    for (uint32_t e = 0; e < kRingEnvs; ++e) all[e] = e;
-    send(all);
+    std::vector<uint32_t> idle(kRingEnvs);
+    for (uint32_t e = 0; e < kRingEnvs; ++e) idle[e] = e;
+    send(idle);
+    idle.clear();
+    uint32_t running = kRingEnvs;
+    uint64_t total = 0;
     for (uint32_t b = 0; b < batches; ++b) {
       const uint32_t slot = b % kRingSlots;
       // Like recv(): the previous slot goes back only when the next is asked for.
       if (b > 0) ring.release((b - 1) % kRingSlots);
+      const uint32_t rows = std::min(running, kRingBatch);
+      CHECK(rows > 0);
+      if (rows < kRingBatch) ring.pad(slot, kRingBatch - rows);
       WaitStatus s = ring.wait_full(slot, kWaitLimit);
       if (s != WaitStatus::kReady) {
         std::fprintf(stderr, "batch %u: slot %u has %u of %u rows\n", b, slot,
@@ -468,9 +478,13 @@ void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches) {
       }
       CHECK(s == WaitStatus::kReady);
       CHECK(ring.filled(slot) == kRingBatch);
-      std::vector<uint32_t> envs;
+      // Every running env has published: none claims until main sends again.
+      if (rows < kRingBatch) {
+        ring.skip(kRingBatch - rows);
+        CHECK(ring.claimed() == uint64_t(b + 1) * kRingBatch);
+      }
       std::vector<bool> in_batch(kRingEnvs, false);
-      for (uint32_t r = 0; r < kRingBatch; ++r) {
+      for (uint32_t r = 0; r < rows; ++r) {
         const RingRow& row = area->rows[slot][r];
         CHECK(row.env < kRingEnvs);
         CHECK(!in_batch[row.env]);  // a row claimed twice would show as a duplicate
@@ -478,17 +492,28 @@ void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches) {
         CHECK(row.seq == sent[row.env]);  // the answer to the last action sent
         CHECK(row.result == (int64_t(row.env) * 1000 + row.seq - 1) * 2 + 1);
         ++received[row.env];
-        envs.push_back(row.env);
+        idle.push_back(row.env);
       }
+      running -= rows;
+      total += rows;
+      // Without `partial`, every env that came back goes again; with it, at
+      // most up to a cap that cycles through values below and above the batch.
+      const uint32_t cap = partial && (b / 4) % 2 ? 1 + b % (kRingBatch - 1) : kRingEnvs;
+      const uint32_t room = cap > running ? cap - running : 0;
+      const uint32_t go = std::min(uint32_t(idle.size()), room);
+      std::vector<uint32_t> envs(idle.end() - go, idle.end());
+      idle.resize(idle.size() - go);
       send(envs);
+      running += go;
     }
-    // Every result came exactly once: each env has one action in flight.
-    uint64_t total = 0;
+    // Every result came exactly once: an env has one action in flight, or none.
+    uint64_t counted = 0;
     for (uint32_t e = 0; e < kRingEnvs; ++e) {
-      CHECK(received[e] + 1 == sent[e]);
-      total += received[e];
+      CHECK(received[e] + 1 == sent[e] || received[e] == sent[e]);
+      counted += received[e];
     }
-    CHECK(total == uint64_t(batches) * kRingBatch);
+    CHECK(counted == total && running + idle.size() == kRingEnvs);
+    CHECK(partial || total == uint64_t(batches) * kRingBatch);
     area->stop.store(1, std::memory_order_release);
     for (int w = 0; w < num_workers; ++w) Doorbell(&area->bells[w]).ring();
   };
@@ -570,6 +595,7 @@ int main(int argc, char** argv) {
   run_case("doorbell threads, spin", [&] { test_doorbell(threads, spin, n); });
   run_case("ring threads x3, sleep", [&] { test_ring(threads, 3, sleep, 4 * n); });
   run_case("ring threads x4, spin", [&] { test_ring(threads, 4, spin, 4 * n); });
+  run_case("ring threads x3, partial", [&] { test_ring(threads, 3, spin, 4 * n, true); });
   // Adaptive: budgets move between 0 and the cap.
   const SpinCase adaptive{200000, true};
   run_case("barrier threads x3, adaptive",
@@ -580,6 +606,7 @@ int main(int argc, char** argv) {
     run_case("barrier processes x3", [&] { test_barrier(procs, 3, sleep, n); });
     run_case("doorbell processes", [&] { test_doorbell(procs, sleep, n); });
     run_case("ring processes x2", [&] { test_ring(procs, 2, spin, 4 * n); });
+    run_case("ring processes x2, partial", [&] { test_ring(procs, 2, spin, 4 * n, true); });
     run_case("barrier processes x3, adaptive",
              [&] { test_barrier(procs, 3, adaptive, n); });
   }

@@ -37,7 +37,8 @@ Cases: ``cartpole-32`` (sync mode, default options), ``cpu100us-8`` (sync, as a
 share of the cores: ``steps/s / (cores * one env alone)``), ``noop-1`` (one
 no-op env: the median ``step`` time), ``wait5ms-16`` (16 envs whose step sleeps
 5 ms), ``wait20ms-256`` (256 envs whose step sleeps 20 ms: at most 12,800 steps/s),
-``cartpole-32-async`` (``batch_size=16``), ``cpu100us-8-async`` (``batch_size=4``)
+``cartpole-32-async`` (``batch_size=16``), ``cartpole-64-async`` (``batch_size=32``),
+``cpu100us-8-async`` (``batch_size=4``)
 and ``cpu100us-8-async-policy`` (the same with a 200 us policy stand-in between
 ``recv`` and ``send``). Needs nothing beyond the project's ``bench`` extra
 (gymnasium).
@@ -61,6 +62,7 @@ CASES = {
     "wait5ms-16": ("wait5ms", 16, None, "steps_per_s", "async"),
     "wait20ms-256": ("wait20ms", 256, None, "steps_per_s", None),
     "cartpole-32-async": ("cartpole", 32, 16, "steps_per_s", None),
+    "cartpole-64-async": ("cartpole", 64, 32, "steps_per_s", None),
     "cpu100us-8-async": ("cpu100us", 8, 4, "steps_per_s", None),
     "cpu100us-8-async-policy": ("cpu100us", 8, 4, "steps_per_s", None),
 }

@@ -3,9 +3,11 @@
 Data flow (``batch_size < num_envs``): ``send``'s envs get their commands
 over the ``AsyncWire`` (engine/async_wire.py); ``recv`` waits until a ring
 slot's ``batch_size`` rows are published, reads their messages and hands the
-slot back on the next ``recv``. Each env's trajectory is the one it would
-have alone with the same seed and actions; only the order in which envs come
-back varies.
+slot back on the next ``recv``. ``recv(partial=True)`` with fewer envs running
+waits for all of them instead: their rows are the first of the slot, and the
+rest is padding (``AsyncWire.pad``) that never reaches the caller. Each env's
+trajectory is the one it would have alone with the same seed and actions; only
+the order in which envs come back varies.
 
 Who may call what: the main process's one thread.
 """
@@ -138,13 +140,17 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------- recv
 
-    def recv(self, timeout: float | None) -> tuple:
-        """The next ``batch_size`` results, with ``infos["env_id"]``."""
-        if self.in_flight < self.batch_size:
-            raise RuntimeError(
-                f"recv() waits for batch_size={self.batch_size} results but only {self.in_flight} "
-                "envs are running: send() actions first"
-            )
+    def recv(self, timeout: float | None, partial: bool = False) -> tuple:
+        """The next ``batch_size`` results, with ``infos["env_id"]``; with
+        ``partial``, while fewer envs run, the results of all of them."""
+        rows = self.batch_size
+        if self.in_flight < rows:
+            if not (partial and self.in_flight):
+                raise RuntimeError(
+                    f"recv() waits for batch_size={rows} results but only {self.in_flight} "
+                    "envs are running: send() actions first"
+                )
+            rows = self.in_flight
         if self.decides_handoff:
             self._decide_handoff()
         if self.held_slot is not None:
@@ -154,30 +160,36 @@ class AsyncEngine:
         slot = self.recv_slot
         views = self.pool.slots[slot]
         messages: dict[int, dict] = {}
-        while True:
-            try:
-                self._check_workers_now_and_then()
-                self.pool.run_main_worker()
-                self._wait_slot(slot, timeout)
-                self._row_messages(slot, views, messages)
-                break
-            except WorkerDiedError as error:
-                if not self.supervisor.restart_on_death:
-                    raise
-                read = {(slot, row) for row in messages}
-                self.supervisor.replace_worker(error.worker, read)
-        env_ids = self.wire.received(slot)  # they await commands again
-        self.in_flight -= self.batch_size
+        if rows < self.batch_size:
+            self.wire.pad(slot, rows)
+        try:
+            while True:
+                try:
+                    self._check_workers_now_and_then()
+                    self.pool.run_main_worker()
+                    self._wait_slot(slot, timeout, rows)
+                    self._row_messages(slot, views, messages)
+                    break
+                except WorkerDiedError as error:
+                    if not self.supervisor.restart_on_death:
+                        raise
+                    read = {(slot, row) for row in messages}
+                    self.supervisor.replace_worker(error.worker, read)
+        except BaseException:
+            self.wire.unpad()  # the envs still run; later sends claim those rows
+            raise
+        env_ids = self.wire.received(slot, rows)  # they await commands again
+        self.in_flight -= rows
         self.last_env_ids = env_ids
         self.held_slot = slot
         self.recv_slot = (slot + 1) % len(self.pool.slots)
-        self.stats.count(self.batch_size, self.decoder.ended(slot))
-        raise_errors(messages.values(), self.decoder)
         decoder = self.decoder
+        self.stats.count(rows, decoder.ended(slot, rows))
+        raise_errors(messages.values(), decoder)
         region = self.wire.take_region(slot)
-        obs = decoder.rows_obs(views, messages, self.batch_size, region)
+        obs = decoder.rows_obs(views, messages, rows, region)
         infos = decoder.merge_infos(
-            views, lambda: self._worker_rows(env_ids), messages.values(), self.batch_size
+            views, lambda: self._worker_rows(env_ids), messages.values(), rows
         )
         if "env_error" in infos:
             self.stats.note_env_resets(infos, env_ids)
@@ -185,7 +197,7 @@ class AsyncEngine:
         self.turns += 1
         if self.decides_handoff and self.turns % HANDOFF_SAMPLE == 0:
             self.turn_started = (time.perf_counter(), resource.getrusage(resource.RUSAGE_THREAD))
-        return (obs, *decoder.outcomes(slot), infos)
+        return (obs, *decoder.outcomes(slot, rows), infos)
 
     def _worker_rows(self, env_ids: np.ndarray) -> list[np.ndarray]:
         """Per worker, the rows of this batch that it wrote."""
@@ -214,7 +226,7 @@ class AsyncEngine:
             self.supervisor.kill_stuck_workers(0.0)
             self.pool.check_all_alive()
 
-    def _wait_slot(self, slot: int, timeout: float | None) -> None:
+    def _wait_slot(self, slot: int, timeout: float | None, rows: int) -> None:
         supervisor = self.supervisor
         if timeout is None and supervisor.env_timeout is None:
             # The common case first: one wait, as RoundDriver.step_round does.
@@ -234,7 +246,7 @@ class AsyncEngine:
             timeout,
             lambda: (
                 f"The call to `recv` has timed out after {timeout} second(s): "
-                f"{self.ring.filled(slot)} of {self.batch_size} results arrived; envs "
+                f"{self.wire.published(slot)} of {rows} results arrived; envs "
                 f"still running or queued: {np.flatnonzero(~self.awaiting).tolist()}."
             ),
         )

@@ -10,8 +10,15 @@ and hands the slot back (``release_slot``) on its next ``recv``. Barrier
 rounds (``call``, ``set_attr``, ``close``) ring every doorbell (``posted``),
 since idle workers sleep on theirs.
 
+A batch of fewer rows (``recv(partial=True)`` while ``n < batch_size`` envs
+run): the claims of those ``n`` envs are the first ``n`` rows of the slot main
+waits for, so main counts the other rows as published (``pad``) and the slot
+fills when the last of the ``n`` rows is published; ``received`` then moves
+the claim counter past the padding, before any env has a new command.
+
 Recovery: the replacement of a dead worker delivers exactly one result for
-each env of its block still running (``recovery_plan``).
+each env of its block still running (``recovery_plan``); padding is no row of
+any env and no claim.
 
 Who may call what: the main process's one thread.
 """
@@ -57,6 +64,9 @@ class AsyncWire:
         # For a replacement: rows consumed so far (claims before this one are
         # done with), each env's last command and reset arguments.
         self.consumed_rows = 0
+        # (slot, rows) that ``pad`` counted as published, until main consumes
+        # the slot or gives it up (``unpad``).
+        self.padding: tuple[int, int] | None = None
         self.last_command = np.zeros(num_envs, dtype=np.uint8)
         self.resets: dict[int, tuple] = {}
         self.book = _worker_loop.EnvBook(
@@ -79,10 +89,38 @@ class AsyncWire:
         their workers."""
         self.book.start(env_ids, command)
 
-    def received(self, slot: int) -> np.ndarray:
-        """The env ids of full slot ``slot`` (int64), which await commands again."""
+    def received(self, slot: int, rows: int | None = None) -> np.ndarray:
+        """The env ids of full slot ``slot`` (int64), which await commands again:
+        its first ``rows`` (None: all; fewer after ``pad``)."""
         self.consumed_rows += self.batch_size
-        return self.book.received(self.pool.slots[slot].env_ids)
+        env_ids = self.pool.slots[slot].env_ids
+        if self.padding is not None:
+            self.ring.skip(self.padding[1])  # every running env's row is in: none claims
+            self.padding = None
+            env_ids = env_ids[:rows]
+        return self.book.received(env_ids)
+
+    def pad(self, slot: int, running: int) -> None:
+        """Has slot ``slot``, whose rows the ``running`` envs (fewer than
+        ``batch_size``, every claim since the last consumed row) claim first, fill
+        once their rows are published: the rows after theirs count as published,
+        with no message."""
+        rows = self.batch_size - running
+        self.pool.slots[slot].messages[running:] = 0  # a flag of an earlier lap
+        self.ring.pad(slot, rows)
+        self.padding = (slot, rows)
+
+    def unpad(self) -> None:
+        """Takes back ``pad``'s rows of a slot main did not consume (its wait
+        ended in an error): envs sent later claim them as usual."""
+        if self.padding is not None:
+            self.ring.unpad(*self.padding)
+            self.padding = None
+
+    def published(self, slot: int) -> int:
+        """Rows of ``slot`` that workers published (padding not counted)."""
+        padded = self.padding[1] if self.padding and self.padding[0] == slot else 0
+        return self.ring.filled(slot) - padded
 
     def take_region(self, slot: int) -> int | None:
         """The lease region that slot ``slot``'s observations were written to
@@ -231,7 +269,7 @@ class AsyncWire:
                 where[env] = (slot, row)
                 if env in block:
                     last_of_dead = env
-        holes = (claimed - first) - sum(self.ring.filled(s) for s in per_slot)
+        holes = (claimed - first) - sum(self.published(s) for s in per_slot)
         if holes not in (0, 1) or len(unwritten) > holes:
             raise RuntimeError(
                 f"shmvec internal error: {holes} unpublished rows, {len(unwritten)} unwritten, "

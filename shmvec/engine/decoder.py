@@ -49,6 +49,7 @@ class ResultDecoder:
             (v.rewards, v.terminations.view(np.bool_), v.truncations.view(np.bool_)) for v in slots
         ]
         self.columns = [_worker_loop.SlotColumns(v) for v in slots]
+        self.slot_rows = len(slots[0].rewards)  # rows of a ring slot: a whole batch
 
     def learn_columns(self, index: int, message: dict) -> None:
         """Worker ``index``'s info columns announced in ``message``."""
@@ -106,28 +107,37 @@ class ResultDecoder:
             new[rows] = old[rows]
 
     def rows_obs(self, views, messages: dict[int, dict], rows: int, region: int | None) -> Any:
-        """An async batch's observations, ``messages`` by row; from lease region
-        ``region`` if not None."""
+        """An async batch's observations, of the first ``rows`` rows of the slot
+        ``views``, ``messages`` by row; from lease region ``region`` if not None."""
+        full = rows == self.slot_rows
         if region is not None and self.leases is not None:
-            return self.leases.read(region)
+            return self.leases.read(region, None if full else rows)
         if self.obs_codec.pickled:
             values = [None] * rows
             for row, message in messages.items():
                 values[row] = next(iter(message["obs"].values()))
             return self.obs_codec.read_batch(values, self.copy)
-        return self.obs_codec.read_batch(views.obs, self.copy)
+        columns = views.obs if full else [column[:rows] for column in views.obs]
+        return self.obs_codec.read_batch(columns, self.copy)
 
-    def outcomes(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rewards, terminations, truncations) of ring slot ``slot``: copies if
-        ``copy``, the flags as bool."""
+    def outcomes(
+        self, slot: int, rows: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rewards, terminations, truncations) of ring slot ``slot`` (its first
+        ``rows``; None: all): copies if ``copy``, the flags as bool."""
         rewards, terminations, truncations = self._outcomes[slot]
+        if rows is not None and rows != self.slot_rows:
+            rewards, terminations, truncations = (
+                rewards[:rows], terminations[:rows], truncations[:rows]
+            )  # fmt: skip
         if self.copy:
             return rewards.copy(), terminations.copy(), truncations.copy()
         return rewards, terminations, truncations
 
-    def ended(self, slot: int) -> int:
-        """How many rows of ring slot ``slot`` ended an episode."""
-        return _worker_loop.count_ended(self.columns[slot])
+    def ended(self, slot: int, rows: int | None = None) -> int:
+        """How many rows of ring slot ``slot`` (its first ``rows``; None: all)
+        ended an episode."""
+        return _worker_loop.count_ended(self.columns[slot], -1 if rows is None else rows)
 
     def remote_error(self, errors: list) -> BaseException:
         """The first env error, with the env, the worker and the remote traceback."""

@@ -65,15 +65,21 @@ class ObsLeases:
             self.free.append(unread)
         return region
 
-    def read(self, region: int) -> Any:
-        """The observations written into ``region``, as arrays over it: the
-        region is held until the last of them (and of their views) is gone."""
+    def read(self, region: int, rows: int | None = None) -> Any:
+        """The observations written into ``region`` (its first ``rows``; None:
+        all), as arrays over it: the region is held until the last of them (and
+        of their views) is gone."""
         start, stop = self.spans[region]
         lease = _worker_loop.RegionLease(
             self.segment, self.segment.address + start, stop - start, self.free, region
         )
         arrays = [
-            np.ndarray(shape, dtype, buffer=memoryview(lease), offset=offset)
+            np.ndarray(
+                shape if rows is None else (rows, *shape[1:]),
+                dtype,
+                buffer=memoryview(lease),
+                offset=offset,
+            )
             for offset, shape, dtype in self.leaves[region]
         ]
         return self.codec.read_batch(arrays, False)

@@ -50,10 +50,11 @@ from shmvec.rollouts.records import (
 
 #: Infos with which the vector env reports that an env lost its state, and the
 #: failure each one is (``on_env_error="reset"``, ``on_worker_death="restart"``,
-#: ``step_deadline``).
+#: RayVectorEnv's ``on_actor_death="restart"``, ``step_deadline``).
 FAILURE_INFOS = {
     "env_error": Status.ENV_ERROR,
     "worker_restarted": Status.WORKER_DIED,
+    "actor_restarted": Status.WORKER_DIED,
     "step_deadline": Status.DEADLINE,
 }
 #: How long one ``recv`` blocks before the loop looks at its stop flag again.

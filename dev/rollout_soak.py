@@ -1,0 +1,222 @@
+"""Soak test of the rollout layer under faults: text envs that wait on a "tool",
+fail, hang and lose their worker, and a trainer loop that must see none of it.
+
+    python dev/rollout_soak.py --trajectories 10000 --out soak.json
+
+Workload: ``--envs`` text envs whose every step waits a lognormal time (median
+``--median-ms``, sigma 1) drawn from a generator of the env's own (seeded from
+its reset seed and reset count, never from the trajectory's), raises with
+probability ``--fault``, sleeps an hour with probability ``--hang`` (ended by
+the vector env's ``step_deadline``), and a worker is SIGKILLed every
+``--kill-every`` seconds. The trainer takes ``--groups-per-batch`` groups per
+``get_batch`` in async mode with ``max_lag``, bumping the version each time.
+
+Checks, each printed as PASS or FAIL: the trainer loop saw no exception; no task
+lost (each is handed over, dropped with a reason, or still pending) and none
+handed over twice; every failure counted by reason (the ledger's identity is
+checked inside every ``get_batch``); every trajectory handed over within
+``max_lag`` of its oldest action's version; ``--replay`` sampled trajectories
+(retried ones first) replay bit for bit in an env without waits or faults.
+Exit status 0 only if every check passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import signal
+import string
+import sys
+import threading
+import time
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+import shmvec
+from shmvec.rollouts import Rollouts, Task, replay
+
+CHARSET = string.ascii_letters + string.digits + " :"
+WORDS = ("look", "take", "open", "north", "south", "use", "wait", "ask")
+
+
+class ToolTextEnv(gym.Env):
+    """A text game: each turn shows a number; the reward is how well the chosen
+    word's index matches it. The game's draws come from ``np_random`` only; the
+    tool's latency and faults from a generator of their own."""
+
+    def __init__(self, median_s=0.0, fault=0.0, hang=0.0, hang_s=3600.0, max_turns=8):
+        self.observation_space = spaces.Text(max_length=64, charset=CHARSET)
+        self.action_space = spaces.Text(max_length=16, charset=CHARSET)
+        self.median_s, self.fault, self.hang, self.hang_s = median_s, fault, hang, hang_s
+        self.max_turns = max_turns
+        self.resets = 0
+        self.tool = random.Random(0)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.resets += 1
+        self.tool = random.Random(f"{seed}/{self.resets}/{os.getpid()}")
+        self.turn, self.length = 0, int(self.np_random.integers(2, self.max_turns + 1))
+        self.target = int(self.np_random.integers(len(WORDS)))
+        return f"turn 0 of {self.length}: target {self.target}", {}
+
+    def step(self, action):
+        if self.median_s:
+            time.sleep(self.median_s * float(np.exp(self.tool.gauss(0.0, 1.0))))
+        if self.hang and self.tool.random() < self.hang:
+            time.sleep(self.hang_s)
+        if self.fault and self.tool.random() < self.fault:
+            raise RuntimeError("the tool call failed")
+        self.turn += 1
+        chosen = WORDS.index(action) if action in WORDS else -1
+        reward = float(chosen == self.target) + float(self.np_random.normal()) * 0.01
+        self.target = int(self.np_random.integers(len(WORDS)))
+        obs = f"turn {self.turn} of {self.length}: target {self.target}"
+        return obs, reward, self.turn >= self.length, False, {}
+
+
+def policy(batch):
+    return tuple(random.choice(WORDS) for _ in range(len(batch)))
+
+
+def killer(envs, every_s: float, stop: threading.Event, kills: list) -> None:
+    """SIGKILLs a random worker every ``every_s`` seconds."""
+    chooser = random.Random(1)
+    while not stop.wait(every_s):
+        worker = chooser.choice(envs._pool.workers)
+        try:
+            os.kill(worker.pid, signal.SIGKILL)
+            kills.append(worker.pid)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trajectories", type=int, default=10_000)
+    parser.add_argument("--envs", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--groups-per-batch", type=int, default=4)
+    parser.add_argument("--median-ms", type=float, default=20.0)
+    parser.add_argument("--fault", type=float, default=0.01)
+    parser.add_argument("--hang", type=float, default=0.002)
+    parser.add_argument("--deadline", type=float, default=2.0)
+    parser.add_argument("--kill-every", type=float, default=10.0)
+    parser.add_argument("--max-lag", type=int, default=1)
+    parser.add_argument("--on-stale", default="wait")
+    parser.add_argument("--max-retries", type=int, default=3)
+    parser.add_argument("--replay", type=int, default=200)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    env_fn = functools.partial(
+        ToolTextEnv, median_s=args.median_ms / 1e3, fault=args.fault, hang=args.hang
+    )
+    envs = shmvec.ShmVectorEnv(
+        [env_fn] * args.envs,
+        num_workers=args.workers,
+        batch_size=max(1, args.envs // 8),
+        env_concurrency=args.envs,
+        on_env_error="reset",
+        on_worker_death="restart",
+        **(
+            {"step_deadline": args.deadline, "env_timeout": args.deadline * 5}
+            if args.deadline
+            else {}
+        ),
+    )
+    n, g = args.groups_per_batch, args.group_size
+    groups_wanted = args.trajectories // g
+    tasks = (Task(seed=s) for s in range(10**9))
+    rollouts = Rollouts(envs, policy, group_size=g, tasks=tasks, max_lag=args.max_lag,
+                        on_stale=args.on_stale, groups_per_batch=n,
+                        max_retries=args.max_retries)  # fmt: skip
+    stop, kills = threading.Event(), []
+    threading.Thread(target=killer, args=(envs, args.kill_every, stop, kills), daemon=True).start()
+    handed, seen_seeds, lag_violations, trainer_errors = [], set(), 0, []
+    duplicates = 0
+    started = time.monotonic()
+    try:
+        while len(handed) < groups_wanted:
+            try:
+                batch = rollouts.get_batch(n, timeout=600)
+            except Exception as error:  # noqa: BLE001 - a check: the trainer must see none
+                trainer_errors.append(repr(error))
+                break
+            for group in batch:
+                duplicates += group.task.seed in seen_seeds
+                seen_seeds.add(group.task.seed)
+                for traj in group.trajectories:
+                    oldest = min(traj.versions, default=group.version)
+                    lag_violations += group.version - oldest > args.max_lag
+            handed += batch
+            rollouts.set_version(rollouts.version + 1)
+            done = len(handed) * g
+            print(f"\r{done}/{args.trajectories} trajectories", end="", file=sys.stderr)
+    finally:
+        stop.set()
+        wall = time.monotonic() - started
+        stats = rollouts.stats()
+        rollouts.close()
+        envs.close(terminate=True)
+    print(file=sys.stderr)
+    trajectories = [t for group in handed for t in group.trajectories]
+    retried = [t for t in trajectories if t.attempt > 0]
+    rest = [t for t in trajectories if t.attempt == 0]
+    random.Random(2).shuffle(rest)
+    sample = (retried[: args.replay // 2] + rest)[: args.replay]
+    clean = functools.partial(ToolTextEnv)
+    replay_failures = []
+    for traj in sample:
+        try:
+            replay(traj, clean)
+        except AssertionError as error:
+            replay_failures.append(str(error))
+    pending = stats["groups_pending"]
+    accounted = (
+        stats["groups_delivered"] + sum(stats["groups_dropped"].values()) + pending
+        == stats["groups_submitted"]
+    )
+    checks = {
+        "trainer saw no exception": not trainer_errors,
+        "no task lost (handed over + dropped + pending == submitted)": accounted,
+        "no task handed over twice": duplicates == 0,
+        "attempts: launched == completed + dropped + in flight": stats["launched"]
+        == stats["completed"] + sum(stats["dropped"].values()) + stats["in_flight"],
+        f"every trajectory within max_lag={args.max_lag}": lag_violations == 0,
+        f"{len(sample)} sampled trajectories ({len(retried[: args.replay // 2])} retried) "
+        "replay bit for bit": not replay_failures
+        and len(sample) >= min(args.replay, len(trajectories)),
+    }
+    result = {
+        "args": vars(args),
+        "wall_s": wall,
+        "trajectories_handed_over": len(trajectories),
+        "retried_handed_over": len(retried),
+        "workers_killed": len(kills),
+        "stats": stats,
+        "checks": checks,
+        "errors": trainer_errors,
+        "replay_failures": replay_failures[:5],
+    }
+    for name, ok in checks.items():
+        print(("PASS " if ok else "FAIL ") + name)
+    print(
+        f"{len(trajectories)} trajectories in {wall:.1f} s; {len(kills)} workers killed; "
+        f"dropped attempts {stats['dropped']}; groups dropped {stats['groups_dropped']}; "
+        f"retries {stats['retries']}"
+    )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,461 @@
+"""recv(partial=True): the results of every running env when fewer than batch_size run."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import envs as test_envs
+import gymnasium as gym
+import numpy as np
+import pytest
+from helpers import open_pool
+
+import shmvec
+import shmvec.layout
+from shmvec.engine.async_wire import AsyncWire
+from shmvec.engine.decoder import ResultDecoder
+from shmvec.engine.supervisor import Supervisor
+from shmvec.layout import make_codec
+from shmvec.protocol import ENV_IDLE, ENV_STEP
+
+#: How long a result may take to arrive on a loaded machine before the test fails.
+ARRIVAL_TIMEOUT_S = 120.0
+#: recv() calls of the mixed full and partial cycle in an equivalence check.
+TURNS = 120
+
+
+class Jitter(gym.Wrapper):
+    """CartPole whose steps sleep 0-2 ms (its own generator, not the env's), so
+    that rows arrive in any order, and report a numeric info every step and a
+    pickled one now and then."""
+
+    def __init__(self, env: gym.Env, sleep: bool = True) -> None:
+        super().__init__(env)
+        self.sleeps = random.Random(os.getpid() ^ id(self)) if sleep else None
+
+    def step(self, action):
+        if self.sleeps is not None:
+            time.sleep(self.sleeps.random() * 0.002)
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        info = dict(info, x10=int(obs[0] * 1000))
+        if obs[0] > 0.05:
+            info["note"] = "right"
+        return obs, reward, terminated, truncated, info
+
+
+def jitter_fn(sleep: bool = True):
+    return lambda: Jitter(gym.make("CartPole-v1"), sleep)
+
+
+class Reference:
+    """Each env stepped alone with the same seed and actions (NEXT_STEP autoreset):
+    what its next result must be."""
+
+    def __init__(self, num_envs: int, seed: int) -> None:
+        self.envs = [jitter_fn(sleep=False)() for _ in range(num_envs)]
+        self.expected: dict[int, tuple] = {}
+        self.ended = np.zeros(num_envs, dtype=bool)
+        for e, env in enumerate(self.envs):
+            obs, info = env.reset(seed=seed + e)
+            self.expected[e] = (obs, 0.0, False, False, info)
+
+    def step(self, e: int, action: int) -> None:
+        env = self.envs[e]
+        if self.ended[e]:
+            obs, info = env.reset()
+            self.expected[e], self.ended[e] = (obs, 0.0, False, False, info), False
+            return
+        obs, reward, terminated, truncated, info = env.step(action)
+        self.expected[e] = (obs, reward, terminated, truncated, info)
+        self.ended[e] = terminated or truncated
+
+    def check(self, result: tuple) -> None:
+        """Every row of ``result`` is its env's expected result; every array has
+        one row per env."""
+        obs, rewards, terminations, truncations, infos = result
+        ids = infos["env_id"].tolist()
+        rows = len(ids)
+        assert len(set(ids)) == rows
+        for name, value in (("obs", obs), ("rewards", rewards), ("terminations", terminations)):
+            assert len(value) == rows, name
+        assert len(truncations) == rows
+        for key, value in infos.items():
+            assert len(value) == rows, key
+        for row, e in enumerate(ids):
+            want_obs, want_reward, want_terminated, want_truncated, want_info = self.expected[e]
+            assert np.array_equal(obs[row], want_obs), f"env {e}"
+            assert rewards[row] == want_reward, f"env {e}"
+            assert terminations[row] == want_terminated and truncations[row] == want_truncated
+            if "x10" in want_info:
+                assert infos["_x10"][row] and infos["x10"][row] == want_info["x10"], f"env {e}"
+            else:
+                assert "_x10" not in infos or not infos["_x10"][row], f"env {e}"
+            if "note" in want_info:
+                assert infos["note"][row] == "right" and infos["_note"][row], f"env {e}"
+            else:
+                assert "_note" not in infos or not infos["_note"][row], f"env {e}"
+
+
+def run_mixed_cycle(envs: shmvec.ShmVectorEnv, seed: int) -> int:
+    """Resets every env, receives them, sends 3 envs and receives exactly them
+    with ``recv(partial=True)``, then runs a cycle where each turn sends a random
+    subset of what came back, so that sometimes fewer than ``batch_size`` run:
+    every row equals its env alone. Returns the partial recvs made."""
+    n, batch = envs.num_envs, envs.batch_size
+    reference = Reference(n, seed)
+    rng = np.random.default_rng(seed)
+    envs.async_reset(seed=seed)
+    idle: list[int] = []
+    for _ in range(n // batch):
+        result = envs.recv(timeout=ARRIVAL_TIMEOUT_S)
+        reference.check(result)
+        idle += result[4]["env_id"].tolist()
+    assert sorted(idle) == list(range(n))
+
+    def send(ids: list[int]) -> None:
+        actions = rng.integers(0, 2, len(ids))
+        envs.send(actions, np.array(ids, dtype=np.int64))
+        for e, a in zip(ids, actions.tolist()):
+            reference.step(e, a)
+            idle.remove(e)
+
+    first = [idle[0], idle[n - 1], idle[n // 2]]
+    send(first)
+    result = envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=True)
+    reference.check(result)
+    assert sorted(result[4]["env_id"].tolist()) == sorted(first)
+    idle += result[4]["env_id"].tolist()
+    partials, running = 1, 0
+    for _ in range(TURNS):
+        # Keep between 1 and num_envs running: a random number of the idle envs go.
+        go = int(rng.integers(1 if running == 0 else 0, len(idle) + 1))
+        send([idle[i] for i in rng.permutation(len(idle))[:go].tolist()])
+        running = n - len(idle)
+        partial = running < batch
+        result = envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=bool(partial or rng.random() < 0.5))
+        ids = result[4]["env_id"].tolist()
+        assert len(ids) == min(running, batch)
+        reference.check(result)
+        idle += ids
+        running -= len(ids)
+        partials += partial
+    return partials
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_workers": 2},
+        {"num_workers": 2, "step_in_main": True},
+        {"num_workers": 0},
+        {"num_workers": 2, "env_concurrency": 3},
+        {"num_workers": 2, "copy": False},
+        {"num_workers": 3, "ring_depth": 3},
+        {"num_workers": 2, "lent": True},
+    ],
+    ids=["workers", "main-too", "in-process", "threads", "views", "depth3", "lent"],
+)
+def test_partial_rows_equal_each_env_alone(kwargs, monkeypatch):
+    kwargs = dict(kwargs)
+    if kwargs.pop("lent", False):  # observations in lease regions, small as they are
+        monkeypatch.setattr(shmvec.layout, "LEASE_MIN_BYTES", 1)
+    envs = shmvec.ShmVectorEnv([jitter_fn()] * 8, batch_size=4, **kwargs)
+    try:
+        assert run_mixed_cycle(envs, seed=10) >= 10
+        assert envs.stats()["steps"] > 8
+    finally:
+        envs.close()
+
+
+def test_partial_batch_of_views_is_the_slots_first_rows():
+    """With copy=False a partial batch is views of the ring slot's first rows,
+    valid until the next recv while the other envs run on."""
+    envs = shmvec.ShmVectorEnv(
+        [lambda: gym.make("CartPole-v1")] * 6, num_workers=2, batch_size=4, copy=False
+    )
+    try:
+        envs.async_reset(seed=0)
+        idle = envs.recv()[4]["env_id"].tolist() + envs.recv(partial=True)[4]["env_id"].tolist()
+        assert sorted(idle) == list(range(6))
+        envs.send(np.zeros(2, dtype=np.int64), idle[:2])
+        obs, rewards, _, _, infos = envs.recv(partial=True)
+        slot = envs._async.held_slot
+        views = envs._slots[slot]
+        assert obs.shape == (2, 4) and np.shares_memory(obs, views.obs[0])
+        assert np.shares_memory(rewards, views.rewards)
+        assert obs.__array_interface__["data"][0] == views.obs[0].__array_interface__["data"][0]
+        kept = obs.copy()
+        envs.send(np.ones(2, dtype=np.int64), infos["env_id"])
+        envs.send(np.ones(2, dtype=np.int64), idle[2:4])
+        assert np.array_equal(obs, kept)
+        obs2, *_ = envs.recv()
+        assert obs2.shape == (4, 4)
+    finally:
+        envs.close()
+
+
+def test_large_partial_batches_are_lent():
+    fns = test_envs.class_fns(test_envs.CountingEnv, 6, obs_len=8192)
+    envs = shmvec.ShmVectorEnv(fns, num_workers=2, batch_size=2)
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(3):
+            envs.recv()
+        envs.send(np.array([3]), [4])
+        obs, *_, infos = envs.recv(partial=True)
+        assert infos["env_id"].tolist() == [4]
+        assert obs.shape == (1, 8192) and obs[0, :2].tolist() == [1, 3]
+        assert type(obs.base).__name__ == "RegionLease"
+    finally:
+        envs.close()
+
+
+def test_misuse_keeps_its_clear_errors():
+    envs = shmvec.ShmVectorEnv([lambda: gym.make("CartPole-v1")] * 6, num_workers=2, batch_size=4)
+    try:
+        with pytest.raises(RuntimeError, match=r"recv\(\) waits for batch_size=4 .* only 0 envs"):
+            envs.recv(partial=True)
+        envs.async_reset(seed=0)
+        envs.recv()
+        with pytest.raises(RuntimeError, match=r"recv\(\) waits for batch_size=4 .* only 2 envs"):
+            envs.recv()  # the plain recv with fewer running: as ever
+        obs, *_, infos = envs.recv(partial=True)
+        assert obs.shape == (2, 4) and len(infos["env_id"]) == 2
+        with pytest.raises(RuntimeError, match=r"recv\(\) waits for batch_size=4 .* only 0 envs"):
+            envs.recv(partial=True)
+    finally:
+        envs.close()
+
+
+def test_sync_mode_takes_partial_and_changes_nothing():
+    envs = shmvec.ShmVectorEnv([lambda: gym.make("CartPole-v1")] * 3, num_workers=1)
+    try:
+        envs.async_reset(seed=0)
+        obs, *_, infos = envs.recv(partial=True)
+        assert obs.shape == (3, 4) and infos["env_id"].tolist() == [0, 1, 2]
+    finally:
+        envs.close()
+
+
+class GatedStep(gym.Wrapper):
+    """CartPole whose steps wait until the file ``gate`` exists."""
+
+    def __init__(self, env: gym.Env, gate: str | None) -> None:
+        super().__init__(env)
+        self.gate = gate
+
+    def step(self, action):
+        deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
+        while self.gate is not None and not os.path.exists(self.gate):
+            assert time.monotonic() < deadline, "the gate never opened"
+            time.sleep(0.001)
+        return self.env.step(action)
+
+
+def test_a_partial_recv_that_times_out_leaves_the_ring_as_it_was(tmp_path):
+    """A timed-out partial recv takes its padding back: envs sent afterwards
+    fill the slot, and a plain recv returns exactly batch_size of them."""
+    gate = str(tmp_path / "gate")
+    fns = [lambda: GatedStep(gym.make("CartPole-v1"), gate)] + [
+        lambda: GatedStep(gym.make("CartPole-v1"), None)
+    ] * 5
+    envs = shmvec.ShmVectorEnv(fns, num_workers=2, batch_size=4)
+    try:
+        envs.async_reset(seed=0)
+        received = []
+        while len(received) < 6:
+            *_, infos = envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=True)
+            received += infos["env_id"].tolist()
+        envs.send(np.zeros(2, dtype=np.int64), [0, 3])  # env 0 waits at its gate
+        with pytest.raises(multiprocessing.TimeoutError, match=r"of 2 results arrived"):
+            envs.recv(timeout=0.3, partial=True)
+        envs.send(np.zeros(3, dtype=np.int64), [1, 4, 5])
+        open(gate, "w").close()
+        *_, infos = envs.recv(timeout=ARRIVAL_TIMEOUT_S)
+        first = infos["env_id"].tolist()
+        assert len(first) == 4
+        *_, infos = envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=True)
+        assert sorted(first + infos["env_id"].tolist()) == [0, 1, 3, 4, 5]
+    finally:
+        envs.close()
+
+
+# ---------------------------------------------------------------- dead workers
+
+
+class DiesWhenTold(test_envs.CountingEnv):
+    """A CountingEnv whose worker dies in its next step once ``die`` is set,
+    after ``delay`` s: ``"step"`` inside the step (no row claimed yet), ``"obs"``
+    while its row is written (claimed, not published), ``"info"`` while its
+    message is sent (published, message lost)."""
+
+    die = ""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.die == "step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.die == "obs":
+            obs = Suicide()
+        if self.die == "info":
+            info = {"note": Suicide()}
+        return obs, reward, terminated, truncated, info
+
+
+class Suicide:
+    """SIGKILLs its own process when numpy converts it or when it is pickled."""
+
+    def __array__(self, dtype=None, copy=None):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Counts:
+    """Checks CountingEnv results one by one: +1 a step, 0 after a reset or a
+    restart (a truncation with ``worker_restarted``); counts each env's results."""
+
+    def __init__(self, n: int) -> None:
+        self.last: dict[int, tuple] = {}
+        self.sent = np.zeros(n, dtype=np.int64)
+        self.received = np.zeros(n, dtype=np.int64)
+        self.restarted: set[int] = set()
+
+    def check(self, result: tuple) -> list[int]:
+        obs, rewards, terminations, truncations, infos = result
+        ids = infos["env_id"].tolist()
+        restarted = infos.get("_worker_restarted", np.zeros(len(ids), dtype=bool))
+        for row, e in enumerate(ids):
+            self.received[e] += 1
+            if e not in self.last:
+                assert obs[row, 0] == 0 and not truncations[row], (e, obs[row])
+            elif restarted[row]:
+                assert obs[row, 0] == 0 and truncations[row] and rewards[row] == 0, e
+                self.restarted.add(e)
+            elif self.last[e]:
+                assert obs[row, 0] == 0 and rewards[row] == 0, (e, obs[row])
+            else:
+                assert obs[row, 1] == 1, e  # the action it was sent
+            self.last[e] = bool(terminations[row] or truncations[row])
+        return ids
+
+
+@pytest.mark.parametrize("where", ["step", "obs", "info"])
+def test_a_worker_killed_while_a_padded_slot_is_pending(where, monkeypatch):
+    """Three envs run, so recv(partial=True) pads the slot; the worker of one of
+    them dies in its step (after a delay: main is waiting by then). Nothing
+    hangs; every env's result comes back exactly once, the restarted env's as a
+    truncation with ``worker_restarted``; the ordinary cycle then goes on."""
+    n, batch = 8, 4
+    envs = shmvec.ShmVectorEnv(
+        [DiesWhenTold] * n, num_workers=4, batch_size=batch, on_worker_death="restart"
+    )
+    counts = Counts(n)
+    one = np.ones(1, dtype=np.int64)
+    padding_at_restart = []
+    replace_worker = Supervisor.replace_worker
+
+    def noting_padding(self, dead, read=frozenset()):
+        padding_at_restart.append(envs._async.wire.padding)
+        return replace_worker(self, dead, read)
+
+    monkeypatch.setattr(Supervisor, "replace_worker", noting_padding)
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(n // batch):
+            counts.check(envs.recv(timeout=ARRIVAL_TIMEOUT_S))
+        envs.set_attr("delay", [0.0] * 5 + [0.3] + [0.0] * 2)
+        envs.set_attr("die", [""] * 5 + [where] + [""] * 2)
+        running = [0, 5, 6]
+        envs.send(np.repeat(one, 3), running)
+        counts.sent[running] += 1
+        ids = counts.check(envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=True))
+        assert sorted(ids) == running
+        assert 5 in counts.restarted
+        assert padding_at_restart == [(envs._async.held_slot, 1)]
+        for _ in range(30):  # the ordinary cycle, partial batches among full ones
+            idle = [e for e in range(n) if counts.received[e] == counts.sent[e] + 1]
+            envs.send(np.repeat(one, len(idle)), idle)
+            counts.sent[idle] += 1
+            counts.check(envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=True))
+        while (counts.received < counts.sent + 1).any():
+            counts.check(envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=True))
+        assert np.array_equal(counts.received, counts.sent + 1)
+        assert envs.stats()["worker_restarts"] == 1
+    finally:
+        envs.close()
+
+
+# -------------------------------------------------------------- the wire alone
+
+
+def _async_wire(num_envs: int, num_workers: int, batch_size: int) -> AsyncWire:
+    space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    pool = open_pool(num_envs, num_workers, batch_size, space, 2)
+    decoder = ResultDecoder(make_codec(space), pool.slots, pool.blocks, True, None)
+    return AsyncWire(batch_size, pool, decoder)
+
+
+def _deliver(wire: AsyncWire, env: int, publish: bool = True) -> tuple[int, int]:
+    """A worker's part for ``env``: take its command, claim a row, write the
+    env id, publish (or not)."""
+    wire.env_commands[env] = ENV_IDLE
+    slot, row = wire.ring.claim()
+    wire.pool.slots[slot].env_ids[row] = env
+    wire.pool.slots[slot].messages[row] = 0
+    if publish:
+        wire.ring.publish(slot)
+    return slot, row
+
+
+def test_padding_fills_the_slot_and_the_next_claim_is_the_next_slots():
+    wire = _async_wire(6, 3, 4)
+    wire.pool.slots[0].messages[:] = 1  # flags of an earlier lap
+    wire.start(np.array([1, 4], dtype=np.int64), ENV_STEP)
+    _deliver(wire, 4)
+    wire.pad(0, 2)
+    assert wire.published(0) == 1 and not wire.ring.wait_full(0, 0)
+    _deliver(wire, 1)
+    assert wire.ring.wait_full(0, 0) and wire.published(0) == 2
+    assert wire.pool.slots[0].messages[2:].tolist() == [0, 0]
+    assert wire.received(0, 2).tolist() == [4, 1]
+    assert wire.ring.claimed() == 4 and wire.consumed_rows == 4
+    wire.start(np.array([1], dtype=np.int64), ENV_STEP)
+    assert _deliver(wire, 1) == (1, 0)
+
+
+def test_unpad_gives_the_rows_back_to_later_envs():
+    wire = _async_wire(6, 3, 4)
+    wire.start(np.array([0, 2], dtype=np.int64), ENV_STEP)
+    _deliver(wire, 2)
+    wire.pad(0, 2)
+    wire.unpad()
+    assert wire.ring.filled(0) == 1 and wire.padding is None
+    wire.start(np.array([3, 5], dtype=np.int64), ENV_STEP)
+    for env in (0, 3):
+        _deliver(wire, env)
+    assert not wire.ring.wait_full(0, 0)
+    _deliver(wire, 5)
+    assert wire.ring.wait_full(0, 0)
+    assert wire.received(0).tolist() == [2, 0, 3, 5]
+
+
+def test_recovery_counts_no_padding_as_a_published_row():
+    # Envs 0 (worker 0) and 2 (worker 1) run; main padded the slot's last two
+    # rows. Worker 0 claimed env 0's row and died before publishing it: the
+    # hole is env 0's, though filled counts the padding too.
+    wire = _async_wire(6, 3, 4)
+    wire.start(np.array([0, 2], dtype=np.int64), ENV_STEP)
+    wire.pad(0, 2)
+    _deliver(wire, 2)
+    hole = _deliver(wire, 0, publish=False)
+    assert wire.recovery_plan(0, frozenset()) == {0: ("hole", *hole, ENV_STEP)}
+    # With the hole filled, the slot is full with the two real rows.
+    wire.ring.publish(hole[0])
+    assert wire.ring.wait_full(0, 0)
+    assert sorted(wire.received(0, 2).tolist()) == [0, 2]
