@@ -36,6 +36,7 @@ MODULES = {
     "shmvec.sb3": "stable_baselines3",
     "shmvec.ray": "ray",
     "shmvec.rollouts": None,
+    "shmvec.text_envs": None,
 }
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -109,6 +110,7 @@ REFERENCE = {
     "shmvec.sb3": "sb3.md",
     "shmvec.ray": "ray.md",
     "shmvec.rollouts": "rollouts.md",
+    "shmvec.text_envs": "text_envs.md",
 }
 AUTODOC = re.compile(r"^\.\. auto(?:class|function|exception):: ([\w.]+)", re.M)
 
