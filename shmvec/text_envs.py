@@ -64,31 +64,17 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv
 
+from shmvec.text import UnboundedText
+
 __all__ = ["FrozenLakeText", "GemEnv", "text_space"]
 
-#: The longest text an observation or action may hold. The longest single
-#: observation of GEM's Minesweeper, Sudoku and GuessTheNumber games (instructions
-#: and board) was 1,618 characters; text games that accumulate a history reach
-#: several thousand. Each character costs 4 bytes a row in the shared-memory
-#: segment.
-TEXT_MAX_LENGTH = 8192
 
-#: Printable ASCII (all that GEM's GuessTheNumber, Minesweeper and Sudoku games and
-#: FrozenLakeText emit), tab and newline, and symbols that other text games and
-#: LLM outputs commonly carry: card suits, bullets, dashes, typographic quotes,
-#: currency signs, arrows, check marks, and the full-width bar of GEM's
-#: ``<｜TERMINAL_STATE｜>`` marker.
-TEXT_CHARSET = (
-    "".join(chr(c) for c in range(32, 127))
-    + "\t\n"
-    + "♠♥♦♣♤♡♢♧•·…–—‘’“”«»€£¥¢°±×÷←↑→↓↔✓✔✗✘★☆■□▪▫●○｜"
-)
-
-
-def text_space() -> spaces.Text:
-    """The observation and action space of the text adapters: any text of up to
-    ``TEXT_MAX_LENGTH`` characters of ``TEXT_CHARSET`` (the empty string too)."""
-    return spaces.Text(TEXT_MAX_LENGTH, min_length=0, charset=TEXT_CHARSET)
+def text_space() -> UnboundedText:
+    """The observation and action space of the text adapters: any text, of any
+    length (``shmvec.UnboundedText``): games print boards, rules and histories
+    of thousands of characters, with symbols (card suits, bullets, currency
+    signs) that no narrow charset foresees."""
+    return UnboundedText()
 
 
 def check_text(value: Any, space: spaces.Space, what: str) -> str:
