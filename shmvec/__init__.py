@@ -6,11 +6,18 @@
 
 import logging
 
-from shmvec.errors import WorkerDiedError
+from shmvec.errors import StepDeadlineExceeded, WaitingEnvsWarning, WorkerDiedError
 from shmvec.registration import make_mix, make_vec
 from shmvec.vector_env import ShmVectorEnv
 
-__all__ = ["ShmVectorEnv", "WorkerDiedError", "make_mix", "make_vec"]
+__all__ = [
+    "ShmVectorEnv",
+    "StepDeadlineExceeded",
+    "WaitingEnvsWarning",
+    "WorkerDiedError",
+    "make_mix",
+    "make_vec",
+]
 # The one place the version is set: pyproject.toml reads it, `python -m shmvec --version` prints it.
 __version__ = "0.1.0"
 
