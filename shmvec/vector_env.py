@@ -147,13 +147,6 @@ class ShmVectorEnv(VectorEnvBase):
             RuntimeError.
         validate_actions (bool, default False): check every action against
             ``single_action_space`` (a ValueError naming the envs before any steps).
-        step_deadline (float | None, default None): seconds one env's ``step`` or
-            ``reset`` may take. Past it, that env alone is interrupted (the other
-            envs of its worker keep their state and steps), replaced by a new env
-            from its env_fn and reset, and the step reports ``truncated`` with
-            ``infos["step_deadline"]`` (the deadline, a float). Needs worker
-            processes; with ``env_concurrency``, async mode. Code that never returns
-            to the interpreter cannot be interrupted: set ``env_timeout`` above it.
         env_concurrency (int | None, default None): envs a worker steps at once, in
             threads, for envs whose step mostly waits (shmvec/concurrent_envs.py).
             None or ``1``: one after another.
@@ -163,6 +156,13 @@ class ShmVectorEnv(VectorEnvBase):
             or more (``shmvec.spin.default_pinning``). A worker whose envs start
             processes unpins itself and them (within a second, or 256 rounds if
             longer).
+        step_deadline (float | None, default None): seconds one env's ``step`` or
+            ``reset`` may take. Past it, that env alone is interrupted (the other
+            envs of its worker keep their state and steps), replaced by a new env
+            from its env_fn and reset, and the step reports ``truncated`` with
+            ``infos["step_deadline"]`` (the deadline, a float). Needs worker
+            processes; with ``env_concurrency``, async mode. Code that never returns
+            to the interpreter cannot be interrupted: set ``env_timeout`` above it.
     """
 
     def __init__(
