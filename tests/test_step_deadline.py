@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 import time
 
-import gymnasium as gym
 import numpy as np
 import pytest
-from gymnasium import spaces
+from envs import StuckEnv
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import dev_shm_files, pid_alive
 
@@ -22,38 +21,6 @@ from shmvec import ShmVectorEnv
 
 DEADLINE = 0.5
 MARGIN_S = 10.0  # a busy machine may take long to schedule the worker; never a hang
-
-
-class StuckEnv(gym.Env):
-    """Its step ``stuck_at`` blocks for ever (``hang="sleep"``: in ``time.sleep``,
-    ``"busy"``: in a Python loop), the first time only (``marker``: a file made
-    when it happens, so that the new env built from the same env_fn does not
-    block again). Episodes end at env-dependent lengths; the observation
-    depends on the seed and the actions."""
-
-    def __init__(self, index: int, stuck_at: int = -1, hang: str = "sleep", marker=None) -> None:
-        self.index, self.stuck_at, self.hang, self.marker = index, stuck_at, hang, marker
-        self.observation_space = spaces.Box(-1e6, 1e6, (3,), np.float64)
-        self.action_space = spaces.Discrete(4)
-        self.episode_len = 4 + index % 3
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        self.offset = float(self.np_random.integers(1000))
-        return np.array([self.index, 0.0, self.offset]), {}
-
-    def step(self, action):
-        self.t += 1
-        if self.t == self.stuck_at and self.marker is not None and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            if self.hang == "busy":
-                while True:
-                    pass
-            time.sleep(3600)
-        self.offset += float(action) * self.t
-        obs = np.array([self.index, self.t, self.offset])
-        return obs, float(action), self.t == self.episode_len, False, {}
 
 
 def stuck_fns(num_envs: int, stuck_env: int, hang: str, marker) -> list:
