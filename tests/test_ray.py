@@ -430,9 +430,7 @@ def test_step_deadline_through_vector_kwargs(local_ray, tmp_path):
     marker = str(tmp_path / "stuck")
     fns = [functools.partial(test_envs.StuckEnv, i, 2 if i == 1 else -1, "sleep", marker)
            for i in range(4)]  # fmt: skip
-    envs = make_ray_env(
-        fns, batch_size=2, vector_kwargs={"num_workers": 1, "step_deadline": 0.5}
-    )
+    envs = make_ray_env(fns, batch_size=2, vector_kwargs={"num_workers": 1, "step_deadline": 0.5})
     try:
         envs.async_reset(seed=0)
         seen = 0
