@@ -11,7 +11,9 @@ same seeds give the same trajectories in ``SyncVectorEnv`` and in
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import os
 import signal
 import time
@@ -609,9 +611,9 @@ class ActionRecorderEnv(gym.Env):
 
 class StuckEnv(gym.Env):
     """Its step ``stuck_at`` blocks for ever (``hang="sleep"``: in ``time.sleep``,
-    ``"busy"``: in a Python loop), the first time only (``marker``: a file made
-    when it happens, so that the new env built from the same env_fn does not
-    block again). Episodes end at env-dependent lengths; the observation
+    ``"busy"``: in a Python loop, ``"c"``: in a C loop), the first time only
+    (``marker``: a file made when it happens, so that the new env built from the
+    same env_fn does not block again). Episodes end at env-dependent lengths; the observation
     depends on the seed and the actions."""
 
     def __init__(self, index: int, stuck_at: int = -1, hang: str = "sleep", marker=None) -> None:
@@ -633,6 +635,8 @@ class StuckEnv(gym.Env):
             if self.hang == "busy":
                 while True:
                     pass
+            if self.hang == "c":  # a C loop that never returns to the interpreter
+                collections.deque(itertools.repeat(None), maxlen=0)
             time.sleep(3600)
         self.offset += float(action) * self.t
         obs = np.array([self.index, self.t, self.offset])

@@ -104,6 +104,33 @@ def test_async_stuck_env_is_truncated_and_the_others_go_on(tmp_path, env_concurr
     assert dev_shm_files() <= shm_before
 
 
+def test_a_c_loop_is_left_to_env_timeout(tmp_path):
+    """What the deadline cannot end: C code that never returns to the interpreter.
+    env_timeout kills the worker and on_worker_death="restart" brings it back."""
+    envs = ShmVectorEnv(
+        stuck_fns(4, 1, "c", str(tmp_path / "stuck")),
+        num_workers=2,
+        batch_size=2,
+        step_deadline=DEADLINE,
+        env_timeout=3.0,
+        on_worker_death="restart",
+    )
+    try:
+        envs.async_reset(seed=0)
+        started, restarted = time.monotonic(), set()
+        while 1 not in restarted:
+            assert time.monotonic() - started < 60, "the stuck worker was not restarted"
+            infos = envs.recv()[4]
+            assert "step_deadline" not in infos
+            if "worker_restarted" in infos:
+                restarted.update(infos["env_id"][infos["_worker_restarted"]].tolist())
+            envs.send(np.ones(2, np.int64), infos["env_id"])
+        stats = envs.stats()
+        assert stats["worker_restarts"] == 1 and stats["env_deadlines"] == [0, 0]
+    finally:
+        envs.close()
+
+
 def test_async_reset_past_the_deadline(tmp_path):
     """A reset that hangs: the env is replaced and its (plain) reset reported as
     truncated with the info; the caller resets it again."""
