@@ -23,7 +23,9 @@ on timing; infos and errors are gathered per env and returned in row order.
 This module is the mechanism; the worker hooks it in where it steps its envs
 (``ConcurrentEnvs.step``, ``.map_envs``; ``.run_pending`` and ``.drain`` in
 ``shmvec.wires.AsyncWire``), before each wait (``.before_wait``) and in the spin
-of the waits (``.spin``).
+of the waits (``.spin``). With ``step_deadline`` in async mode, the worker's main
+thread abandons an env thread past the deadline and has a new env report in its
+place (``.watch_deadline``, ``.check_deadlines``; docs/design/step-deadline.md).
 """
 
 from __future__ import annotations
