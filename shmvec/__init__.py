@@ -7,12 +7,20 @@ space of text of any length (LLM-agent envs).
 
 import logging
 
-from shmvec.errors import WorkerDiedError
+from shmvec.errors import StepDeadlineExceeded, WaitingEnvsWarning, WorkerDiedError
 from shmvec.registration import make_mix, make_vec
 from shmvec.text import UnboundedText
 from shmvec.vector_env import ShmVectorEnv
 
-__all__ = ["ShmVectorEnv", "UnboundedText", "WorkerDiedError", "make_mix", "make_vec"]
+__all__ = [
+    "ShmVectorEnv",
+    "StepDeadlineExceeded",
+    "UnboundedText",
+    "WaitingEnvsWarning",
+    "WorkerDiedError",
+    "make_mix",
+    "make_vec",
+]
 # The one place the version is set: pyproject.toml reads it, `python -m shmvec --version` prints it.
 __version__ = "0.1.0"
 

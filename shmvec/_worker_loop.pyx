@@ -17,13 +17,14 @@ from cpython.buffer cimport (
 )
 from libc.string cimport memcpy, memset
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+from posix.time cimport CLOCK_MONOTONIC, ITIMER_REAL, clock_gettime, itimerval, setitimer, timespec
 
 from traceback import format_exc as _format_exc
 
 from numpy import empty as _empty, ndarray as _ndarray, shape as _shape, zeros as _zeros
 
 from shmvec import protocol
+from shmvec.errors import StepDeadlineExceeded
 from shmvec.infos import CELL_KINDS as _CELL_KINDS, CODES as _CODES, INFO_COLUMNS
 from shmvec.protocol import (
     BY_VALUE_BIT, ENV_IDLE, ENV_RESET, REGION_MASK, REGION_SHIFT, SLOT_MASK, STEP,
@@ -350,6 +351,59 @@ cdef uint64_t _now_ns() noexcept nogil:
     return <uint64_t>now.tv_sec * 1000000000 + <uint64_t>now.tv_nsec
 
 
+# step_deadline in a worker that steps serially (shmvec.worker.Worker): a one-shot
+# ITIMER_REAL is armed around each env call, and the SIGALRM handler raises
+# StepDeadlineExceeded inside the env, but only while armed: a signal that fires
+# just as the env returns finds the flag cleared and does nothing.
+cdef itimerval _deadline_timer  # it_value: the deadline; zero: no deadline
+cdef itimerval _no_timer  # all zero: disarms
+cdef bint _deadline_armed = False
+cdef double _deadline_s = 0.0
+
+
+def set_step_deadline(double seconds):
+    """The deadline the serial loops arm (0: none); the caller installs
+    ``on_step_deadline`` as the SIGALRM handler of the thread that steps."""
+    global _deadline_s
+    cdef int64_t us = <int64_t>(seconds * 1e6)
+    if seconds > 0 and us < 1:
+        us = 1  # a zero it_value would disarm
+    _deadline_s = seconds if seconds > 0 else 0.0
+    _deadline_timer.it_value.tv_sec = us // 1000000
+    _deadline_timer.it_value.tv_usec = us % 1000000
+
+
+def on_step_deadline(signum, frame):
+    """SIGALRM handler: raises ``StepDeadlineExceeded`` in the env being stepped."""
+    global _deadline_armed
+    if _deadline_armed:
+        _deadline_armed = False
+        raise StepDeadlineExceeded(_deadline_s)
+
+
+cdef inline void _arm_deadline() noexcept:
+    global _deadline_armed
+    _deadline_armed = True
+    setitimer(ITIMER_REAL, &_deadline_timer, NULL)
+
+
+cdef inline void _disarm_deadline() noexcept:
+    global _deadline_armed
+    setitimer(ITIMER_REAL, &_no_timer, NULL)  # first: then no signal can follow
+    _deadline_armed = False
+
+
+def arm_step_deadline():
+    """Arms the deadline around an env call made from Python (a sync reset)."""
+    if _deadline_s > 0:
+        _arm_deadline()
+
+
+def disarm_step_deadline():
+    if _deadline_s > 0:
+        _disarm_deadline()
+
+
 include "_ring.pxi"
 include "_main_side.pxi"
 
@@ -394,6 +448,14 @@ cdef class Block:
     cdef public WorkerRing ring
     cdef public uint8_t[::1] commands, restarted
     cdef public object on_error, send, build_message, take_reset_args, restart, row_lock
+    # step_deadline: ``deadline`` arms it around each env call (the serial loop
+    # of a worker process; never a part: signals reach only the main thread), and
+    # ``on_deadline(i)`` gives the result to report instead. A part that threads
+    # run is ``abandoned`` by the worker once past the deadline: it then discards
+    # its result. ``in_env``: a part's env is inside a command (cleared, under
+    # ``row_lock``, when its row is published).
+    cdef public bint deadline, abandoned, in_env
+    cdef public object on_deadline
 
     def __cinit__(self, Stepper stepper, list envs, Py_ssize_t first_row, WorkerBarrier barrier):
         self.stepper, self.envs, self.first_row, self.barrier = stepper, envs, first_row, barrier
@@ -416,6 +478,7 @@ cdef class Block:
         if self.restarted is not None:
             part.restarted = self.restarted[i : i + 1]
         part.on_error, part.send, part.build_message = self.on_error, self.send, self.build_message
+        part.on_deadline = self.on_deadline
         part.take_reset_args, part.restart = self.take_reset_args, self.restart
         part.row_lock = self.row_lock
         return part
@@ -461,7 +524,17 @@ cdef class Block:
             info_columns.clear(row)
             try:
                 try:
-                    result = stepper.step_one(self.envs[i], action_views, row, self.autoreset[i])
+                    if self.deadline:
+                        _arm_deadline()
+                    try:
+                        result = stepper.step_one(self.envs[i], action_views, row,
+                                                  self.autoreset[i])
+                    finally:
+                        if self.deadline:
+                            _disarm_deadline()
+                    spill = stepper.write(obs_views, columns, row, result)
+                except StepDeadlineExceeded:
+                    result = self.on_deadline(self.first_index + i)
                     spill = stepper.write(obs_views, columns, row, result)
                 except Exception as exc:  # noqa: BLE001 - a failed write resets too
                     result = self.reported(i, exc)
@@ -569,6 +642,7 @@ cdef class Block:
                 continue
             env_id = self.first_row + i
             self._enter(env_id)
+            self.in_env = True
             self.commands[i] = ENV_IDLE  # before the publish: main may send again right after
             error = None
             result = None  # an error's row carries none
@@ -578,25 +652,66 @@ cdef class Block:
                     if command != ENV_RESET:
                         stepper.skip_action(self.action_views, env_id)
                     result = self.restart(self.first_index + i, command)
-                elif command == ENV_RESET:
-                    result = reset_result(self.envs[i], *self.take_reset_args(env_id))
                 else:
-                    try:
-                        result = stepper.step_one(self.envs[i], self.action_views, env_id,
-                                                  self.autoreset[i])
-                    except Exception as exc:  # noqa: BLE001
-                        result = self.reported(i, exc)
-                self.autoreset[i] = 1 if (result[2] or result[3]) else 0
+                    result = self.command_result(i, env_id, command)
             except Exception as exc:  # noqa: BLE001 - re-raised in the main process
                 error = (env_id, exc, _format_exc())
             if self.row_lock is not None:  # released after the send
                 self.row_lock.acquire()
             try:
+                if self.abandoned:
+                    return  # past the deadline: the worker reported this env already
+                self.in_env = False
+                if error is None:
+                    self.autoreset[i] = 1 if (result[2] or result[3]) else 0
                 self.publish_row(env_id, result, error)
             finally:
                 if self.row_lock is not None:
                     self.row_lock.release()
         self.current_env[0] = 0
+
+    cdef tuple command_result(self, Py_ssize_t i, Py_ssize_t env_id, uint8_t command):
+        """Async mode: env ``i``'s reset or step, under the deadline if armed. A
+        failed reset raises; a failed step is ``on_error``'s."""
+        cdef bint resetting = command == ENV_RESET
+        cdef tuple args = self.take_reset_args(env_id) if resetting else None
+        if self.deadline:
+            _arm_deadline()
+        try:
+            if resetting:
+                result = reset_result(self.envs[i], *args)
+            else:
+                result = self.stepper.step_one(self.envs[i], self.action_views, env_id,
+                                               self.autoreset[i])
+        except StepDeadlineExceeded:
+            if self.deadline:
+                _disarm_deadline()
+            return self.on_deadline(self.first_index + i)
+        except Exception as exc:  # noqa: BLE001
+            if self.deadline:
+                _disarm_deadline()
+            if resetting:
+                raise
+            return self.reported(i, exc)
+        if self.deadline:
+            _disarm_deadline()
+        return result
+
+    def report(self, tuple result, object error=None):
+        """A part (env ``first_row`` alone): publishes ``result`` (or ``error``,
+        ``(env_id, exception, traceback_text)``) as its env's row, as
+        ``step_pending`` does after a command; threads use it for the result
+        of an env replaced after its deadline."""
+        if self.row_lock is not None:
+            self.row_lock.acquire()
+        try:
+            self.in_env = False
+            if error is None:
+                self.autoreset[0] = 1 if (result[2] or result[3]) else 0
+            self.publish_row(self.first_row, result, error)
+        finally:
+            if self.row_lock is not None:
+                self.row_lock.release()
 
     cdef publish_row(self, Py_ssize_t env_id, tuple result, object error):
         """Claims a ring row, writes ``result`` (or nothing, for an ``error``)

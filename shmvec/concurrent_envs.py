@@ -23,7 +23,9 @@ on timing; infos and errors are gathered per env and returned in row order.
 This module is the mechanism; the worker hooks it in where it steps its envs
 (``ConcurrentEnvs.step``, ``.map_envs``; ``.run_pending`` and ``.drain`` in
 ``shmvec.wires.AsyncWire``), before each wait (``.before_wait``) and in the spin
-of the waits (``.spin``).
+of the waits (``.spin``). With ``step_deadline`` in async mode, the worker's main
+thread abandons an env thread past the deadline and has a new env report in its
+place (``.watch_deadline``, ``.check_deadlines``; docs/design/step-deadline.md).
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ CHILD_CHECK_S = 1.0
 PENDING = object()
 # Serial rounds with no limit.
 NEVER = 1 << 62
+# What a pool task returns to end its thread: an env thread abandoned past
+# step_deadline, back at last, whose stand-in took its place in the pool.
+RETIRE = object()
 
 
 class EnvThreadPool:
@@ -103,7 +108,9 @@ class EnvThreadPool:
                 except OSError:
                     pass  # a CPU taken away meanwhile: it stays where it is
             try:
-                task()
+                if task() is RETIRE:
+                    self._threads.remove(threading.current_thread())
+                    return
             except BaseException:  # noqa: BLE001 - a shmvec bug: say so, keep the thread
                 traceback.print_exc(file=sys.stderr)
 
@@ -152,8 +159,19 @@ class RunningEnvs:
 
     def begin(self, i: int) -> None:
         with self.lock:
+            self._started.pop(i, None)  # an env replaced after its deadline: the newest now
             self._started[i] = time.monotonic_ns()  # CLOCK_MONOTONIC, as the .pyx
             self._publish()
+
+    def started(self, i: int) -> int | None:
+        """When env ``i`` began its command (monotonic ns), None if not running."""
+        with self.lock:
+            return self._started.get(i)
+
+    def started_before(self, when_ns: int) -> list[int]:
+        """The envs running since before ``when_ns``."""
+        with self.lock:
+            return [i for i, started in self._started.items() if started < when_ns]
 
     def end(self, i: int) -> None:
         """Call with ``lock`` held."""
@@ -203,6 +221,7 @@ class ConcurrentEnvs:
         self.running = RunningEnvs(first_env, np.asarray(block.current_env), env_started)
         self._threads_word = threads_word
         self._parts_of = None  # the block _block_parts are of
+        self._take_reset_args: Callable | None = None  # the parts' (under _recv_lock)
         self._block_parts: list = []
         self._claimed = np.zeros(block_size, dtype=bool)  # async: env queued or running
         # Reading the worker's pipe (a reset's seed), apart from row_lock: a
@@ -210,9 +229,21 @@ class ConcurrentEnvs:
         self._recv_lock = threading.Lock()
         # From a row's claim to its message's send (see _worker_loop.Block).
         self._row_lock = threading.Lock()
+        # step_deadline, for envs in threads (see watch_deadline).
+        self._deadline_ns: int | None = None
+        self._replace_env: Callable[[int, bool], tuple] | None = None
         self._publish_threads()
         if self.threads > 1:
             self._start_threads()
+
+    def watch_deadline(self, seconds: float, replace_env: Callable[[int, bool], tuple]) -> None:
+        """Async mode, envs in threads: an env past ``seconds`` in one command is
+        abandoned to its thread (which discards its result when it returns and
+        ends; a new thread takes its place in the pool), and ``replace_env(i,
+        False)`` (``Worker.deadline_result``) gives the result reported instead,
+        from a new env. Checked by ``check_deadlines``, before each wait."""
+        self._deadline_ns = int(seconds * 1e9)
+        self._replace_env = replace_env
 
     def spin(self, spin: Spin) -> Spin:
         """The worker's spin while it waits for work: none with env threads,
@@ -223,6 +254,8 @@ class ConcurrentEnvs:
         """Called before every wait for work (sync and async mode)."""
         if self._pinned:
             self._check_children()
+        if self._deadline_ns is not None:
+            self.check_deadlines()
 
     def _publish_threads(self) -> None:
         if self._threads_word is not None:
@@ -302,18 +335,19 @@ class ConcurrentEnvs:
         and sending under ``_row_lock``; made once (the worker has one block)."""
         if self._parts_of is not block:
             self._parts_of = block
-            take_reset_args = _locked(block.take_reset_args, self._recv_lock)
+            self._take_reset_args = _locked(block.take_reset_args, self._recv_lock)
             # A restarted env's first reset reads its seed from the pipe as well.
-            restart = _locked(block.restart, self._recv_lock) if block.restart else None
+            self._restart = _locked(block.restart, self._recv_lock) if block.restart else None
             # The parts share the block's stepper: its pipe reads take the same lock.
             block.stepper.take_spill = _locked(block.stepper.take_spill, self._recv_lock)
-            self._block_parts = []
-            for i in range(len(block.envs)):
-                part = block.part(i, np.zeros(1, np.uint32), np.zeros(1, np.uint64))
-                part.take_reset_args, part.row_lock = take_reset_args, self._row_lock
-                part.restart = restart
-                self._block_parts.append(part)
+            self._block_parts = [self._make_part(block, i) for i in range(len(block.envs))]
         return self._block_parts
+
+    def _make_part(self, block, i: int):
+        part = block.part(i, np.zeros(1, np.uint32), np.zeros(1, np.uint64))
+        part.take_reset_args, part.row_lock = self._take_reset_args, self._row_lock
+        part.restart = self._restart
+        return part
 
     def map_envs(self, function: Callable[[int], Any], indices: list[int]) -> list:
         """``[function(i) for i in indices]`` (i: an env of the block), in
@@ -365,28 +399,80 @@ class ConcurrentEnvs:
                 if claimed[i]:
                     continue
                 claimed[i] = True
+            self.pool.submit(functools.partial(self._serve_env, parts, commands, i))
 
-            def task(i=i) -> None:
-                while True:
-                    running.begin(i)  # before step_pending clears the command
-                    try:
-                        parts[i].step_pending()
-                    finally:
-                        with running.lock:
-                            running.end(i)
-                            again = bool(commands[i])
-                            if not again:
-                                claimed[i] = False
-                    if not again:
-                        return
+    def _serve_env(self, parts: list, commands: np.ndarray, i: int, replace: bool = False):
+        """A pool task: runs env ``i``'s commands until it has none; ``replace``:
+        first report the result of env ``i`` replaced after its deadline. Returns
+        ``RETIRE`` from a thread abandoned meanwhile."""
+        running, claimed = self.running, self._claimed
+        while True:
+            running.begin(i)  # before step_pending clears the command
+            part = None
+            try:
+                if replace:
+                    replace = False
+                    self._report_replaced(parts, i)
+                else:
+                    part = parts[i]
+                    part.step_pending()
+            finally:
+                abandoned = part is not None and part.abandoned
+                if not abandoned:
+                    with running.lock:
+                        running.end(i)
+                        again = bool(commands[i])
+                        if not again:
+                            claimed[i] = False
+            if part is not None and abandoned:
+                # Env i is served by another thread now, with a new env object:
+                # this one is closed here, where it was in use.
+                _close_quietly(part.envs[0])
+                return RETIRE
+            if not again:
+                return None
 
-            self.pool.submit(task)
+    def check_deadlines(self) -> None:
+        """Abandons each env thread past the deadline (see ``watch_deadline``).
+        Called from the worker's main thread."""
+        deadline_ns = self._deadline_ns
+        if deadline_ns is None or self.threads <= 1 or self._parts_of is None:
+            return
+        parts = self._block_parts
+        for i in self.running.started_before(time.monotonic_ns() - deadline_ns):
+            part = parts[i]
+            # A part publishes its row under row_lock: past this check, it never will.
+            with self._row_lock:
+                if part.abandoned or not part.in_env:
+                    continue  # published already, or replaced
+                started = self.running.started(i)  # in_env first: this command's start
+                if started is None or time.monotonic_ns() - started < deadline_ns:
+                    continue
+                part.abandoned = True
+            self.pool.grow(self.pool.size + 1)  # the stuck thread's stand-in
+            commands = np.asarray(self._parts_of.commands)
+            self.pool.submit(functools.partial(self._serve_env, parts, commands, i, True))
+
+    def _report_replaced(self, parts: list, i: int) -> None:
+        """Env ``i``'s result after its deadline, from a new env, published as its
+        row through a new part (the abandoned one keeps the old env)."""
+        assert self._replace_env is not None and self._parts_of is not None
+        block = self._parts_of
+        result, error = None, None
+        try:
+            result = self._replace_env(i, False)  # sets block.envs[i]
+        except Exception as exc:  # noqa: BLE001 - re-raised in the main process
+            error = (self.first_env + i, exc, traceback.format_exc())
+        parts[i] = part = self._make_part(block, i)
+        part.report(result, error)
 
     def drain(self) -> None:
         """Waits until no env thread runs (before a barrier command: call,
         set_attr, close touch every env)."""
         while self._claimed.any():
             time.sleep(0.0005)
+            if self._deadline_ns is not None:
+                self.check_deadlines()  # an env stuck for ever is abandoned, not waited for
 
 
 def _can_find_children() -> bool:
@@ -404,6 +490,13 @@ def _child_pids() -> list[int]:
         except OSError:
             pass  # the thread ended meanwhile
     return pids
+
+
+def _close_quietly(env) -> None:
+    try:
+        env.close()
+    except Exception:  # noqa: BLE001 - a broken env: best effort
+        traceback.print_exc(file=sys.stderr)
 
 
 def _locked(function: Callable, lock: threading.Lock) -> Callable:

@@ -44,3 +44,29 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
     else:
         exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+class StepDeadlineExceeded(BaseException):
+    """Raised inside an env's ``step``/``reset`` that ran past ``step_deadline``.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is, so that an env's own
+    ``except Exception`` cannot swallow it and carry on past the deadline. shmvec
+    catches it in the worker and reports the step as truncated with
+    ``infos["step_deadline"]``; it never reaches the main process.
+
+    Attributes:
+        deadline: the deadline in seconds.
+    """
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__(f"env step ran past step_deadline={deadline} s")
+        self.deadline = deadline
+
+    def __reduce__(self):
+        return (type(self), (self.deadline,))
+
+
+class WaitingEnvsWarning(UserWarning):
+    """A vector env's workers spend most of each step waiting while they step
+    their envs one after another: ``env_concurrency=`` would step the envs of a
+    block at once (docs/guides/waiting-envs.md)."""

@@ -58,6 +58,7 @@ class TuningOptions:
     env_concurrency: int | None = None
     pin_workers: bool | None = None
     text_bytes: int = TEXT_BYTES
+    step_deadline: float | None = None
 
     def __post_init__(self) -> None:
         """A ValueError naming the first option that is wrong whatever the envs."""
@@ -66,6 +67,15 @@ class TuningOptions:
         if self.env_timeout is not None and not self.env_timeout > 0:
             raise ValueError(
                 f"env_timeout must be a positive number of seconds, got {self.env_timeout}"
+            )
+        deadline = self.step_deadline
+        if deadline is not None and (
+            isinstance(deadline, bool)
+            or not isinstance(deadline, (int, float, np.integer, np.floating))
+            or not 0 < deadline < float("inf")
+        ):
+            raise ValueError(
+                f"step_deadline must be None or a positive number of seconds, got {deadline!r}"
             )
         if self.fallback not in (None, "serial"):
             raise ValueError(f"fallback must be None or 'serial', got {self.fallback!r}")
@@ -79,6 +89,22 @@ class TuningOptions:
         if self.spin_ns is not None:
             fixed_spin(self.spin_ns)  # its ValueError
         check_text_bytes(self.text_bytes)
+
+    def check_deadline(self, num_workers: int, async_mode: bool) -> None:
+        """A ValueError where ``step_deadline`` cannot be kept: envs in the main
+        process (whose signals are the application's), or envs in threads in
+        sync mode."""
+        if self.step_deadline is None:
+            return
+        if num_workers == 0 or self.step_in_main:
+            raise ValueError(
+                "step_deadline needs every env in a worker process: not with num_workers=0 "
+                "or step_in_main=True"
+            )
+        if not async_mode and self.env_concurrency not in (None, 1):
+            raise ValueError(
+                "step_deadline with env_concurrency needs async mode (batch_size < num_envs)"
+            )
 
     def sizes(self, num_envs: int, max_concurrency: int | None) -> Sizes:
         """Workers, batch size and ring depth for ``num_envs`` envs; ValueError if out of range."""

@@ -62,6 +62,7 @@ from shmvec.engine import EngineOptions, SetupError, Stats, build_engine
 from shmvec.engine.async_engine import AsyncEngine
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.rounds import RoundDriver
+from shmvec.engine.waiting_check import WaitingCheck
 from shmvec.errors import WorkerDiedError
 from shmvec.handoff import ResultHandoff
 from shmvec.layout import TEXT_BYTES, Spills, lease_regions, make_codec
@@ -160,6 +161,13 @@ class ShmVectorEnv(VectorEnvBase):
             inline in shared memory, per env and ring slot; a longer value
             spills, that env only, to the worker's pipe. 0: every non-empty
             text spills.
+        step_deadline (float | None, default None): seconds one env's ``step`` or
+            ``reset`` may take. Past it, that env alone is interrupted (the other
+            envs of its worker keep their state and steps), replaced by a new env
+            from its env_fn and reset, and the step reports ``truncated`` with
+            ``infos["step_deadline"]`` (the deadline, a float). Needs worker
+            processes; with ``env_concurrency``, async mode. Code that never returns
+            to the interpreter cannot be interrupted: set ``env_timeout`` above it.
     """
 
     def __init__(
@@ -188,6 +196,7 @@ class ShmVectorEnv(VectorEnvBase):
         env_concurrency: int | None = None,
         pin_workers: bool | None = None,
         text_bytes: int = TEXT_BYTES,
+        step_deadline: float | None = None,
     ) -> None:
         self.closed = True  # until the workers are up; close() is then a no-op
         check_no_worker(worker)
@@ -204,6 +213,7 @@ class ShmVectorEnv(VectorEnvBase):
             on_env_error=on_env_error, env_timeout=env_timeout, step_in_main=step_in_main,
             fallback=fallback, validate_actions=bool(validate_actions),
             env_concurrency=env_concurrency, pin_workers=pin_workers, text_bytes=text_bytes,
+            step_deadline=step_deadline,
         )  # fmt: skip
         described = describe_envs(env_fns, observation_mode)
         self.metadata = {**described.metadata, "autoreset_mode": self.autoreset_mode}
@@ -216,6 +226,8 @@ class ShmVectorEnv(VectorEnvBase):
         self.batch_size, self.ring_depth = sizes.batch_size, sizes.ring_depth
         self.group_size = group_size
         self.is_async = self.batch_size < num_envs  # the EnvPool-style API
+        tuning.check_deadline(sizes.num_workers, self.is_async)
+        self.step_deadline = None if step_deadline is None else float(step_deadline)
         self.env_tags: list[str] | None = None  # set by shmvec.make_mix
         self.text_bytes = int(tuning.text_bytes)
         self._obs_codec = make_codec(self.single_observation_space, shared_memory, self.text_bytes)
@@ -241,6 +253,8 @@ class ShmVectorEnv(VectorEnvBase):
                     f"{error}. Pass fallback='serial' to run every env in the main process instead."
                 ) from error.__cause__
             logger.warning("%s: running every env in the main process (fallback='serial')", error)
+            if self.step_deadline is not None:
+                logger.warning("step_deadline is not kept for envs in the main process")
             self._start(0, True)
         self.closed = False
 
@@ -272,6 +286,9 @@ class ShmVectorEnv(VectorEnvBase):
             self._action_codec, self._action_views, spaces, self.validate_actions
         )
         self._slots = self._pool.slots
+        if self.env_concurrency in (None, 1) and not self.in_process:
+            block_size = max(len(block) for block in self._env_blocks)
+            self._stats.watch(WaitingCheck(self._pool, block_size))
 
     # ------------------------------------------------------------------ reset
 
@@ -305,6 +322,7 @@ class ShmVectorEnv(VectorEnvBase):
             previous = rounds.obs_views((slot - 1) % rounds.ring_depth)
             self._decoder.carry_over_obs(~mask, rounds.obs_views(slot), previous)
         self.observations = obs = rounds.read_obs(messages)
+        self._note_deadlines(infos)
         return obs, infos
 
     # ------------------------------------------------------------------- step
@@ -351,6 +369,7 @@ class ShmVectorEnv(VectorEnvBase):
         infos = decoder.batch_infos(slot, messages)
         if "env_error" in infos:
             self._stats.note_env_resets(infos, np.arange(self.num_envs))
+        self._note_deadlines(infos)
         self._stats.count(self.num_envs, decoder.ended(slot))
         self.observations = obs = self._rounds.read_obs(messages)
         return (obs, *decoder.outcomes(slot), infos)
@@ -391,7 +410,18 @@ class ShmVectorEnv(VectorEnvBase):
         else:
             obs = rounds.read_obs({})
         self.observations = obs
-        return (obs, *decoder.outcomes(slot), decoder.batch_infos(slot, {}))
+        infos = decoder.batch_infos(slot, {})
+        if self.step_deadline is not None:  # a numeric info: the round was clean
+            self._note_deadlines(infos)
+        return (obs, *decoder.outcomes(slot), infos)
+
+    def _note_deadlines(self, infos: dict[str, Any]) -> None:
+        """Sync mode: counts the envs replaced after ``step_deadline`` (``stats()``)."""
+        if "step_deadline" in infos:
+            workers = np.repeat(
+                np.arange(len(self._env_blocks)), [len(b) for b in self._env_blocks]
+            )
+            self._stats.note_deadlines(infos, np.arange(self.num_envs), workers)
 
     # ------------------------------------------------------------------ async
 
@@ -507,8 +537,9 @@ class ShmVectorEnv(VectorEnvBase):
         process spent waiting for results), ``worker_busy_fraction`` (per
         worker: time in env code and writing results), ``worker_cpu_fraction``
         (its process's CPU time over the elapsed time), ``worker_env_threads``
-        (envs it steps at once), ``worker_restarts`` and ``env_resets`` (envs
-        reset after an exception, ``on_env_error``).
+        (envs it steps at once), ``worker_restarts``, ``env_resets`` (envs
+        reset after an exception, ``on_env_error``) and ``env_deadlines`` (per
+        worker: envs replaced after running past ``step_deadline``).
         """
         pool = self._pool
         return self._stats.report(pool.busy_ns, pool.cpu_seconds(), pool.env_threads.tolist())
@@ -548,6 +579,7 @@ def _worker_spec(env: ShmVectorEnv, spin: Spin) -> WorkerSpec:
         use_death_signal=threading.current_thread() is threading.main_thread(),
         on_env_error=env.on_env_error,
         env_concurrency=env.env_concurrency, pin_cpu=env.pin_workers, text_bytes=env.text_bytes,
+        step_deadline=env.step_deadline,
         obs_regions=lease_regions(
             env._obs_codec.columns(), env.batch_size, env.ring_depth if env.is_async else 0
         ),

@@ -29,7 +29,7 @@ import numpy as np
 
 from shmvec import _core, _worker_loop
 from shmvec.concurrent_envs import ConcurrentEnvs
-from shmvec.errors import add_note
+from shmvec.errors import StepDeadlineExceeded, add_note
 from shmvec.layout import TEXT_BYTES, make_codec, make_layout
 from shmvec.outbox import Outbox
 from shmvec.protocol import (
@@ -87,6 +87,10 @@ class WorkerSpec:
     obs_regions: int = 0
     # Inline UTF-8 bytes of each UnboundedText row (shmvec.layout.Utf8TextCodec).
     text_bytes: int = TEXT_BYTES
+    # Seconds one env's step or reset may take before it is ended as truncated
+    # and the env replaced (Worker.deadline_result); None: no deadline. Only
+    # honoured in a worker process (the main process's signals are the user's).
+    step_deadline: float | None = None
 
 
 class SegmentFd:
@@ -234,24 +238,50 @@ def worker_main(spec: WorkerSpec, segment_fd: SegmentFd, pipe) -> None:
         pipe.close()
 
 
-def make_envs(spec: WorkerSpec) -> list:
+def load_env_fns(spec: WorkerSpec) -> list:
+    """The block's env_fns (unpickled under spawn)."""
     env_fns = spec.env_fns
-    if isinstance(env_fns, bytes):
-        env_fns = cloudpickle.loads(env_fns)
+    return cloudpickle.loads(env_fns) if isinstance(env_fns, bytes) else list(env_fns)
+
+
+def make_env(spec: WorkerSpec, env_fn, row: int):
+    """``env_fn()``, checked to be an env whose spaces match the vector env's."""
+    try:
+        env = env_fn()
+        check_env(env, row)
+        _check_spaces(spec, env, row)
+    except BaseException as exc:
+        add_note(exc, f"(while creating env {row} in shmvec worker {spec.index})")
+        raise
+    return env
+
+
+def make_envs(spec: WorkerSpec) -> list:
     envs: list = []
-    for offset, env_fn in enumerate(env_fns):
-        row = spec.first_env + offset
+    for offset, env_fn in enumerate(load_env_fns(spec)):
         try:
-            env = env_fn()
-            check_env(env, row)
-            _check_spaces(spec, env, row)
-        except BaseException as exc:
-            add_note(exc, f"(while creating env {row} in shmvec worker {spec.index})")
+            envs.append(make_env(spec, env_fn, spec.first_env + offset))
+        except BaseException:
             for made in envs:
                 made.close()
             raise
-        envs.append(env)
     return envs
+
+
+def _close_quietly(env, deadline: bool) -> None:
+    """Closes an env that may be broken, under the deadline when ``deadline``
+    (a close that hangs must not hold up the block); whatever it raises is
+    printed, not reported."""
+    try:
+        if deadline:
+            _worker_loop.arm_step_deadline()
+        try:
+            env.close()
+        finally:
+            if deadline:
+                _worker_loop.disarm_step_deadline()
+    except (Exception, StepDeadlineExceeded):  # noqa: BLE001 - best effort
+        traceback.print_exc(file=sys.stderr)
 
 
 def _worker_cpu(index: int) -> int:
@@ -335,6 +365,23 @@ class Worker:
             pin=spec.pin_cpu,
         )
         self.concurrency.spin(spec.spin).apply(self.wire.waiter)
+        self._env_fns: list | None = None  # loaded at the first deadline
+        self.step_deadline = spec.step_deadline if os.getpid() != spec.main_pid else None
+        if self.step_deadline is not None:
+            self._watch_deadline(self.step_deadline)
+
+    def _watch_deadline(self, seconds: float) -> None:
+        """``step_deadline``: a serial loop is interrupted by SIGALRM inside the
+        env (the worker's main thread steps it); env threads are watched by the
+        main thread instead (``ConcurrentEnvs.check_deadlines``), since a signal
+        reaches only the main thread."""
+        self.block.on_deadline = self.deadline_reset
+        if self.concurrency.threads > 1:
+            self.concurrency.watch_deadline(seconds, self.deadline_result)
+            return
+        signal.signal(signal.SIGALRM, _worker_loop.on_step_deadline)
+        _worker_loop.set_step_deadline(seconds)
+        self.block.deadline = True
 
     def serve(self) -> None:
         """Waits for work and does it, until CLOSE (or the main's death)."""
@@ -416,6 +463,25 @@ class Worker:
         )
         return self.message(infos, errors, obs_target, announced, spills)
 
+    def deadline_reset(self, i: int) -> tuple:
+        """Env ``i`` ran past ``step_deadline`` in the serial loop: its env
+        object is closed (under the deadline too) and replaced; the step's result."""
+        return self.deadline_result(i, close_old=True)
+
+    def deadline_result(self, i: int, close_old: bool) -> tuple:
+        """Env ``i`` ran past ``step_deadline``: it may have been interrupted
+        anywhere, so it is replaced by a new env from its env_fn, reset, and its
+        step reports the truncated end of its episode with
+        ``info["step_deadline"]`` (``truncated_reset``). ``close_old``: close the
+        interrupted env here (an env thread still inside it closes it itself)."""
+        if self._env_fns is None:
+            self._env_fns = load_env_fns(self.spec)
+        old = self.envs[i]
+        self.envs[i] = make_env(self.spec, self._env_fns[i], self.rows[i])
+        if close_old:
+            _close_quietly(old, self.block.deadline)
+        return self.truncated_reset(i, {"step_deadline": self.step_deadline})
+
     def truncated_reset(self, i: int, why: dict | BaseException) -> tuple:
         """Env ``i`` lost its state (it raised, or its worker died): reset it and
         report the step as the truncated end of its episode, with ``why`` in the
@@ -456,7 +522,7 @@ class Worker:
 
         def reset_env(i: int) -> tuple:
             try:
-                result = _worker_loop.reset_result(self.envs[i], seeds[i], options[i])
+                result = self._reset_one(i, seeds[i], options[i])
                 spill = self.obs_codec.write(obs_target, self.rows[i], result[0])
                 self.autoreset[i] = 0
                 return result[4], spill, None
@@ -474,6 +540,21 @@ class Worker:
             if spill:
                 spills.append((self.rows[i], spill))
         return self.message(infos, errors, obs_target, (), spills)
+
+    def _reset_one(self, i: int, seed, options) -> tuple:
+        """Sync mode: env ``i``'s reset, under the deadline in a serial loop; past
+        it, a new env's plain reset with ``info["step_deadline"]``."""
+        if not self.block.deadline:
+            return _worker_loop.reset_result(self.envs[i], seed, options)
+        try:
+            _worker_loop.arm_step_deadline()
+            try:
+                return _worker_loop.reset_result(self.envs[i], seed, options)
+            finally:
+                _worker_loop.disarm_step_deadline()
+        except StepDeadlineExceeded:
+            obs, _, _, _, merged = self.deadline_reset(i)
+            return obs, 0.0, False, False, merged[-1:]
 
     def call(self, name: str, args: tuple, kwargs: dict) -> dict:
         results, errors = [], []

@@ -11,7 +11,9 @@ same seeds give the same trajectories in ``SyncVectorEnv`` and in
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import os
 import signal
 import time
@@ -677,3 +679,37 @@ class ChatEnv(gym.Env):
         if self.t % 3 == 0:
             info["tail"] = action[-5:]
         return self._obs(text, len(action)), reward, terminated, truncated, info
+
+
+class StuckEnv(gym.Env):
+    """Its step ``stuck_at`` blocks for ever (``hang="sleep"``: in ``time.sleep``,
+    ``"busy"``: in a Python loop, ``"c"``: in a C loop), the first time only
+    (``marker``: a file made when it happens, so that the new env built from the
+    same env_fn does not block again). Episodes end at env-dependent lengths; the observation
+    depends on the seed and the actions."""
+
+    def __init__(self, index: int, stuck_at: int = -1, hang: str = "sleep", marker=None) -> None:
+        self.index, self.stuck_at, self.hang, self.marker = index, stuck_at, hang, marker
+        self.observation_space = spaces.Box(-1e6, 1e6, (3,), np.float64)
+        self.action_space = spaces.Discrete(4)
+        self.episode_len = 4 + index % 3
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.offset = float(self.np_random.integers(1000))
+        return np.array([self.index, 0.0, self.offset]), {}
+
+    def step(self, action):
+        self.t += 1
+        if self.t == self.stuck_at and self.marker is not None and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            if self.hang == "busy":
+                while True:
+                    pass
+            if self.hang == "c":  # a C loop that never returns to the interpreter
+                collections.deque(itertools.repeat(None), maxlen=0)
+            time.sleep(3600)
+        self.offset += float(action) * self.t
+        obs = np.array([self.index, self.t, self.offset])
+        return obs, float(action), self.t == self.episode_len, False, {}

@@ -466,3 +466,28 @@ def test_unbounded_text_equals_sync_vector_env(local_ray):
     finally:
         envs.close()
         sync.close()
+
+
+def test_step_deadline_through_vector_kwargs(local_ray, tmp_path):
+    """step_deadline in vector_kwargs reaches each actor's ShmVectorEnv: the stuck
+    env's row comes back truncated with infos["step_deadline"], the actor lives on."""
+    marker = str(tmp_path / "stuck")
+    fns = [functools.partial(test_envs.StuckEnv, i, 2 if i == 1 else -1, "sleep", marker)
+           for i in range(4)]  # fmt: skip
+    envs = make_ray_env(fns, batch_size=2, vector_kwargs={"num_workers": 1, "step_deadline": 0.5})
+    try:
+        envs.async_reset(seed=0)
+        seen = 0
+        started = time.monotonic()
+        while not seen:
+            assert time.monotonic() - started < 60, "no step_deadline row"
+            _, _, _, truncations, infos = envs.recv()
+            if "step_deadline" in infos:
+                rows = infos["_step_deadline"]
+                assert infos["env_id"][rows].tolist() == [1]
+                assert truncations[rows].all() and infos["step_deadline"][rows][0] == 0.5
+                seen += 1
+            envs.send(np.ones(2, np.int64), infos["env_id"])
+        assert envs.actor_restarts == [0, 0]
+    finally:
+        envs.close()

@@ -193,6 +193,8 @@ class AsyncEngine:
         )
         if "env_error" in infos:
             self.stats.note_env_resets(infos, env_ids)
+        if "step_deadline" in infos:
+            self.stats.note_deadlines(infos, env_ids, self.wire.env_worker[env_ids])
         infos["env_id"] = env_ids
         self.turns += 1
         if self.decides_handoff and self.turns % HANDOFF_SAMPLE == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,12 +21,24 @@ class Stats:
         self.wait_s = 0.0
         self.restarts = 0
         self.env_resets = 0
+        self.env_deadlines: dict[int, int] = {}  # worker -> envs past step_deadline
         self.started = time.perf_counter()
+        # A check called when ``steps`` reaches ``check_at``; it returns the next
+        # count (engine/waiting_check.py). Between calls a batch costs one comparison.
+        self.check: Callable[[int], int] | None = None
+        self.check_at = 1 << 62
+
+    def watch(self, check: Callable[[int], int]) -> None:
+        """Calls ``check(steps)`` from the next batch on, then when ``steps`` reaches
+        the count it returned."""
+        self.check, self.check_at = check, 0
 
     def count(self, rows: int, ended: int) -> None:
         """Counts a batch of ``rows`` results, ``ended`` of which ended an episode."""
         self.steps += rows
         self.episodes += ended
+        if self.steps >= self.check_at:  # check_at is never reached without a check
+            self.check_at = self.check(self.steps)  # type: ignore[misc]
 
     def note_env_resets(self, infos: dict, env_ids: np.ndarray) -> None:
         """``on_env_error="reset"``: counts and logs the envs reset after an error."""
@@ -34,6 +46,18 @@ class Stats:
         self.env_resets += len(rows)
         for row in rows.tolist():
             logger.warning("env %d was reset after %s", env_ids[row], infos["env_error"][row])
+
+    def note_deadlines(self, infos: dict, env_ids: np.ndarray, workers: np.ndarray) -> None:
+        """``step_deadline``: counts (per worker: ``workers[row]`` for each row)
+        and logs the envs replaced after running past it."""
+        rows = np.flatnonzero(infos["_step_deadline"])
+        for row in rows.tolist():
+            worker = int(workers[row])
+            self.env_deadlines[worker] = self.env_deadlines.get(worker, 0) + 1
+            logger.warning(
+                "env %d ran past step_deadline=%s s: replaced by a new env",
+                env_ids[row], infos["step_deadline"][row],
+            )  # fmt: skip
 
     def log_summary(self, busy_ns: np.ndarray) -> None:
         """Logs the report at DEBUG (when a vector env closes)."""
@@ -62,4 +86,5 @@ class Stats:
             "elapsed_s": elapsed,
             "worker_restarts": self.restarts,
             "env_resets": self.env_resets,
+            "env_deadlines": [self.env_deadlines.get(k, 0) for k in range(len(busy_ns))],
         }
