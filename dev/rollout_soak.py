@@ -28,19 +28,16 @@ import json
 import os
 import random
 import signal
-import string
 import sys
 import threading
 import time
 
 import gymnasium as gym
 import numpy as np
-from gymnasium import spaces
 
 import shmvec
 from shmvec.rollouts import Rollouts, Task, replay
 
-CHARSET = string.ascii_letters + string.digits + " :"
 WORDS = ("look", "take", "open", "north", "south", "use", "wait", "ask")
 
 
@@ -50,8 +47,8 @@ class ToolTextEnv(gym.Env):
     tool's latency and faults from a generator of their own."""
 
     def __init__(self, median_s=0.0, fault=0.0, hang=0.0, hang_s=3600.0, max_turns=8):
-        self.observation_space = spaces.Text(max_length=64, charset=CHARSET)
-        self.action_space = spaces.Text(max_length=16, charset=CHARSET)
+        self.observation_space = shmvec.UnboundedText()
+        self.action_space = shmvec.UnboundedText()
         self.median_s, self.fault, self.hang, self.hang_s = median_s, fault, hang, hang_s
         self.max_turns = max_turns
         self.resets = 0
@@ -157,8 +154,8 @@ def main(argv=None) -> int:
                     lag_violations += group.version - oldest > args.max_lag
             handed += batch
             rollouts.set_version(rollouts.version + 1)
-            done = len(handed) * g
-            print(f"\r{done}/{args.trajectories} trajectories", end="", file=sys.stderr)
+            if len(handed) % (10 * n) == 0:
+                print(f"{len(handed) * g}/{args.trajectories} trajectories", file=sys.stderr)
     finally:
         stop.set()
         wall = time.monotonic() - started

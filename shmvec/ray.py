@@ -180,6 +180,8 @@ class RayVectorEnv(VectorEnvBase):
             "num_workers": 0 if num_cpus_per_actor <= 1 else int(num_cpus_per_actor),
             **(vector_kwargs or {}),
         }
+        #: What the actors' envs do when their step raises (``vector_kwargs``).
+        self.on_env_error = vector_kwargs.get("on_env_error", "raise")
         options: dict[str, Any] = {"num_cpus": num_cpus_per_actor, **(actor_options or {})}
         if on_actor_death == "restart":
             options.update(max_restarts=max_restarts, max_task_retries=0)

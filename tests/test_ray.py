@@ -491,3 +491,40 @@ def test_step_deadline_through_vector_kwargs(local_ray, tmp_path):
         assert envs.actor_restarts == [0, 0]
     finally:
         envs.close()
+
+
+def test_rollouts_give_the_trajectories_of_one_machine(local_ray):
+    """shmvec.rollouts over RayVectorEnv (an env per actor, so each env steps on
+    its own): for the same tasks and policy, the same trajectories as over a
+    ShmVectorEnv, each equal to its env replayed alone."""
+    from rollout_envs import TaskEnv, obs_policy
+
+    from shmvec import ShmVectorEnv
+    from shmvec.rollouts import Rollouts, replay
+
+    backends = {
+        "ray": make_ray_env([TaskEnv] * 4, num_actors=4, batch_size=2,
+                            on_actor_death="restart", vector_kwargs={"on_env_error": "reset"}),
+        "one machine": ShmVectorEnv([TaskEnv] * 4, num_workers=2, batch_size=2,
+                                    on_env_error="reset", on_worker_death="restart"),
+    }  # fmt: skip
+    seen = {}
+    try:
+        for name, envs in backends.items():
+            with Rollouts(envs, obs_policy, group_size=2) as rollouts:
+                rollouts.submit(seeds=list(range(6)))
+                groups = [g for _ in range(3) for g in rollouts.get_batch(2)]
+            for traj in (t for g in groups for t in g.trajectories):
+                replay(traj, TaskEnv)
+            seen[name] = {
+                g.task.seed: sorted(
+                    (np.concatenate(t.observations).tobytes(), tuple(t.actions), tuple(t.rewards))
+                    for t in g.trajectories
+                )
+                for g in groups
+            }
+        assert sorted(seen["ray"]) == list(range(6))
+        assert seen["ray"] == seen["one machine"]
+    finally:
+        for envs in backends.values():
+            envs.close()
