@@ -10,11 +10,18 @@ delivered groups with their share of launched ones.
 
 from __future__ import annotations
 
-from shmvec.rollouts import Rollouts, Task
+from shmvec.rollouts import Rollouts, Status, Task
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.backends.shmvec_common import open_envs, worker_pids
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TrajRecord
 from shmvec_bench.rollouts.workloads import is_straggler
+
+#: The layer's finished statuses, as the benchmark's records name them.
+STATUS = {
+    Status.TERMINATED.value: "done",
+    Status.TRUNCATED.value: "truncated",
+    Status.MAX_STEPS.value: "truncated",
+}
 
 
 def task_source(ctx: RunContext):
@@ -71,7 +78,7 @@ class ShmvecLayer:
                         t.ended_s,
                         t.num_steps,
                         t.total_reward,
-                        t.status.value,
+                        STATUS.get(t.status.value, t.status.value),
                     )  # fmt: skip
                     for t in g.trajectories
                 ],
