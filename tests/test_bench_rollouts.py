@@ -122,3 +122,15 @@ def test_cli_writes_table_csv_and_plot(tmp_path, capsys):
         rows = list(csv.DictReader(fh))
     assert {r["backend"] for r in rows} == {"ragen-serial", "shmvec-loop"}
     assert all(r["outcome"] == "ok" for r in rows)
+
+
+@pytest.mark.parametrize("name", ["latency", "gru"])
+def test_policies_answer_every_row_from_the_vocabulary(name):
+    if name == "gru":
+        pytest.importorskip("torch")
+    actions = WORKLOADS["frozenlake"].actions
+    policy = make_policy(name, actions, seed=1)
+    answers = policy(["first observation", "", "x" * 500])
+    assert len(answers) == 3 and set(answers) <= set(actions)
+    busy_s, calls, rows = policy.clock.snapshot()
+    assert busy_s > 0 and (calls, rows) == (1, 3)
