@@ -58,6 +58,7 @@ examples:
   shmvec-bench --workloads cartpole cpu100us --num-envs 8 32 128
   shmvec-bench --workloads cpu100us --backends shmvec-async sync --policy-us 200
   shmvec-bench --workloads handoff --device cuda      the GPU hand-off per step
+  shmvec-bench rollouts --help                complete groups of trajectories instead
 
 columns: "vs sync" and "vs async" divide by gymnasium's Sync and Async rows of
 the same workload and num_envs; "efficiency (of N x single)" is steps/s over
@@ -192,7 +193,15 @@ def importable_backends(backends: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark; returns 1 if any measurement failed, else 0."""
+    """Runs the benchmark; returns 1 if any measurement failed, else 0.
+
+    ``shmvec-bench rollouts ...`` runs the rollout benchmark (``shmvec_bench.rollouts``).
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["rollouts"]:
+        from shmvec_bench.rollouts.cli import main as rollouts_main
+
+        return rollouts_main(argv[1:])
     args = parse_args(argv)
     if args.device is not None or HANDOFF in args.workloads:
         from shmvec_bench.handoff import run_handoff

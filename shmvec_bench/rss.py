@@ -68,3 +68,48 @@ def tree_rss_mib(pid: int | None = None) -> float:
 
 def _sum_mib(pids: Iterable[int]) -> float:
     return sum(rss_kib(p) for p in pids) / 1024
+
+
+def pss_kib(pid: int) -> int:
+    """``Pss`` of one process in KiB from ``/proc/<pid>/smaps_rollup`` (0 if unreadable).
+
+    Proportional set size: each shared page counts ``1/n`` in each of the ``n``
+    processes that map it, so the PSS of a process tree adds up to the memory it
+    really uses (a shared segment and copy-on-write pages counted once).
+    """
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def tree_pss_mib(pid: int | None = None) -> float:
+    """Total ``Pss`` of ``pid`` (default: this process) and its descendants, MiB
+    (NaN where ``/proc`` is missing)."""
+    pid = os.getpid() if pid is None else pid
+    if not os.path.isdir("/proc"):
+        return float("nan")
+    return sum(pss_kib(p) for p in [pid, *descendants(pid)]) / 1024
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process so far, all its threads (0 if gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(pid: int | None = None) -> dict[int, float]:
+    """CPU seconds so far of ``pid`` (default: this process) and each descendant, by pid."""
+    pid = os.getpid() if pid is None else pid
+    if not os.path.isdir("/proc"):
+        return {}
+    return {p: cpu_s(p) for p in [pid, *descendants(pid)]}

@@ -1,0 +1,56 @@
+"""gymnasium's ``AsyncVectorEnv`` (one process per env) driven by a hand-written
+lock-step trajectory loop: the way a trainer uses a gymnasium vector env for
+multi-turn episodes.
+
+The loop is ``lockstep.rollout``: reset every env to its group's task
+(``reset(seed=[...])``), then each turn the policy on the unfinished rows and one
+``step`` of every env (the vector API steps all of them; finished ones are given
+any action and their results ignored), until every trajectory has ended. An env's
+exception is re-raised by ``step``; a dead env process makes ``step`` raise.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+
+from shmvec_bench.rollouts.backends.base import register
+from shmvec_bench.rollouts.backends.lockstep import rollout
+from shmvec_bench.rollouts.records import RunContext
+from shmvec_bench.rollouts.workloads import env_fns
+
+
+@register(
+    "gym-async",
+    summary="B5 gymnasium AsyncVectorEnv (a process per env), a lock-step trajectory loop",
+    mirrors="gymnasium/vector/async_vector_env.py",
+    lockstep=True,
+)
+class GymAsync:
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.envs = gym.vector.AsyncVectorEnv(
+            env_fns(ctx.workload, ctx.num_envs), context=ctx.context, shared_memory=False
+        )
+        self.env_steps = 0
+
+    def _reset(self, seeds):
+        obs, _ = self.envs.reset(seed=list(seeds))
+        return list(obs)
+
+    def _step(self, ids, actions):
+        obs, rewards, terms, truncs, _ = self.envs.step(tuple(actions))
+        return list(zip(obs, rewards.tolist(), terms.tolist(), truncs.tolist()))
+
+    def get_batch(self):
+        groups, steps = rollout(self.ctx, self._reset, self._step, step_finished=True)
+        self.env_steps += steps
+        return groups
+
+    def env_pids(self):
+        return [p.pid for p in self.envs.processes if p.is_alive()]
+
+    def stats(self):
+        return None
+
+    def close(self, terminate: bool = False) -> None:
+        self.envs.close(terminate=terminate)

@@ -1,0 +1,155 @@
+"""ROLL's env threads: one thread per env runs whole trajectories, calling a shared
+batching policy each turn; optionally one lock around every env step.
+
+Mirrors alibaba/ROLL ``roll/pipeline/agentic/environment_worker.py`` (a
+``ThreadPoolExecutor`` with one thread per env manager, "process + threads") and
+``roll/pipeline/agentic/env_manager/traj_env_manager.py`` (``run_rollout_loop``:
+take the group's next episode, reset, then generate and ``env.step`` until done;
+``use_thread_lock`` puts the step behind one lock). The inference side is a
+batcher thread that takes every pending request whenever the policy is free, as
+an inference server's continuous batching does. Groups come out as they complete
+(ROLL's ``GroupQueue``), and the env threads keep running between batches (its
+async mode). An env's exception ends the rollout (no try/except around ``step``).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from shmvec_bench.rollouts.backends.base import register
+from shmvec_bench.rollouts.records import GroupAssembler, RunContext, TrajRecord, now
+from shmvec_bench.rollouts.workloads import RELEASE_HANGS, make_env
+
+
+class Stopped(Exception):
+    """The runner is closing: an env loop's policy request is refused."""
+
+
+class Batcher:
+    """A thread that runs the policy on every request pending when it is free."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self._cond = threading.Condition()
+        self._pending: list[tuple[str, Future]] = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._serve, name="batcher", daemon=True)
+        self.thread.start()
+
+    def ask(self, observation: str) -> str:
+        future: Future = Future()
+        with self._cond:
+            if self._stop:
+                raise Stopped("the batcher is closed")
+            self._pending.append((observation, future))
+            self._cond.notify()
+        return future.result()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    for _, future in self._pending:
+                        future.set_exception(Stopped("the batcher is closed"))
+                    return
+                batch, self._pending = self._pending, []
+            try:
+                actions = self.policy([obs for obs, _ in batch])
+            except BaseException as exc:  # every caller hears of it
+                for _, future in batch:
+                    future.set_exception(exc)
+                continue
+            for (_, future), action in zip(batch, actions):
+                future.set_result(action)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+
+class RollThreads:
+    def __init__(self, ctx: RunContext, use_thread_lock: bool) -> None:
+        RELEASE_HANGS.clear()
+        self.ctx = ctx
+        self.assembler = GroupAssembler(ctx.stream, ctx.group_size)
+        self.batcher = Batcher(ctx.policy)
+        self.lock = threading.Lock() if use_thread_lock else None
+        self.env_steps = 0
+        self._count = threading.Lock()
+        self._stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._loop, args=(i,), name=f"env-{i}", daemon=True)
+            for i in range(ctx.num_envs)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _step(self, env, action):
+        if self.lock is None:
+            return env.step(action)
+        with self.lock:
+            return env.step(action)
+
+    def _loop(self, index: int) -> None:
+        try:
+            env = make_env(self.ctx.workload, index)
+            while not self._stop.is_set():
+                task, seed, member = self.assembler.take()
+                started = now()
+                obs, _ = env.reset(seed=seed)
+                steps, total = 0, 0.0
+                while True:
+                    action = self.batcher.ask(obs)
+                    obs, reward, terminated, truncated, _ = self._step(env, action)
+                    steps += 1
+                    total += reward
+                    with self._count:
+                        self.env_steps += 1
+                    if terminated or truncated:
+                        break
+                status = "done" if terminated else "truncated"
+                self.assembler.finish(
+                    TrajRecord(task, seed, member, started, now(), steps, total, status)
+                )
+        except Stopped:
+            return
+        except BaseException as exc:
+            self.assembler.fail(exc)
+
+    def get_batch(self):
+        return self.assembler.wait_groups(self.ctx.groups_per_batch)
+
+    def env_pids(self):
+        return []
+
+    def stats(self):
+        return None
+
+    def close(self, terminate: bool = False) -> None:
+        self._stop.set()
+        RELEASE_HANGS.set()
+        self.batcher.close()
+
+
+@register(
+    "roll-threads",
+    summary="B3 ROLL: a thread per env, a shared batching policy, groups as they complete",
+    mirrors="roll/pipeline/agentic/environment_worker.py, env_manager/traj_env_manager.py",
+)
+class RollThreadsNoLock(RollThreads):
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx, use_thread_lock=False)
+
+
+@register(
+    "roll-threads-lock",
+    summary="B3 ROLL with use_thread_lock: the same, every env step behind one lock",
+    mirrors="roll/pipeline/agentic/env_manager/traj_env_manager.py (use_thread_lock)",
+)
+class RollThreadsLock(RollThreads):
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx, use_thread_lock=True)

@@ -1,0 +1,35 @@
+"""The ``ShmVectorEnv`` both shmvec runners step: async mode, failures as results."""
+
+from __future__ import annotations
+
+import shmvec
+from shmvec_bench.rollouts.records import RunContext
+from shmvec_bench.rollouts.workloads import WORKLOADS, env_fns
+
+#: ``env_timeout`` where steps may hang (W4): a step blocked this long is killed.
+HANG_TIMEOUT_S = 2.0
+
+
+def async_batch(ctx: RunContext) -> int:
+    """Rows per policy call: ``ctx.batch_size``, or a quarter of the envs (the layer's rule)."""
+    return ctx.batch_size or max(1, ctx.num_envs // 4)
+
+
+def open_envs(ctx: RunContext, autoreset_mode: str = "NextStep") -> shmvec.ShmVectorEnv:
+    spec = WORKLOADS[ctx.workload]
+    return shmvec.ShmVectorEnv(
+        env_fns(ctx.workload, ctx.num_envs),
+        context=ctx.context,
+        num_workers=ctx.num_workers,
+        batch_size=async_batch(ctx),
+        # Envs that wait on tools: every env of a block at once; envs that compute: one.
+        env_concurrency=ctx.num_envs if spec.waits else None,
+        on_env_error="reset",
+        on_worker_death="restart",
+        env_timeout=HANG_TIMEOUT_S if spec.hang_p else None,
+        autoreset_mode=autoreset_mode,
+    )
+
+
+def worker_pids(envs: shmvec.ShmVectorEnv) -> list[int]:
+    return [p.pid for p in envs._pool.workers if p.is_alive()]

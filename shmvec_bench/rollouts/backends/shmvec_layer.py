@@ -1,0 +1,103 @@
+"""shmvec's rollout layer: ``shmvec.rollouts.Rollouts`` over ``ShmVectorEnv`` in async mode.
+
+Tasks flow in from the benchmark's task stream (``Rollouts(..., tasks=...)``);
+``get_batch(n)`` hands over complete groups while the envs keep stepping
+(``mode="async"``); failed trajectories are retried (``max_retries=2``) and the
+rest accounted for in ``stats()``. Straggling tasks carry the label
+``"straggler"`` so that ``stats()["label_share"]`` compares their share of
+delivered groups with their share of launched ones.
+"""
+
+from __future__ import annotations
+
+from shmvec.rollouts import Rollouts, Status, Task
+from shmvec_bench.rollouts.backends.base import register
+from shmvec_bench.rollouts.backends.shmvec_common import open_envs, worker_pids
+from shmvec_bench.rollouts.records import GroupRecord, RunContext, TrajRecord
+from shmvec_bench.rollouts.workloads import is_straggler
+
+#: The layer's finished statuses, as the benchmark's records name them.
+STATUS = {
+    Status.TERMINATED.value: "done",
+    Status.TRUNCATED.value: "truncated",
+    Status.MAX_STEPS.value: "truncated",
+}
+
+
+def task_source(ctx: RunContext):
+    while True:
+        _, seed = ctx.stream.take()
+        yield Task(seed=seed, label="straggler" if is_straggler(seed) else "regular")
+
+
+@register(
+    "shmvec",
+    summary="S shmvec.rollouts.Rollouts (async) over ShmVectorEnv(env_concurrency=...)",
+    mirrors="shmvec/rollouts/rollouts.py",
+)
+class ShmvecLayer:
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.envs = open_envs(ctx)
+        policy = ctx.policy
+
+        def batched(batch):
+            return list(policy(list(batch.observations)))
+
+        try:
+            self.rollouts = Rollouts(
+                self.envs,
+                batched,
+                group_size=ctx.group_size,
+                tasks=task_source(ctx),
+                mode="async",
+                groups_per_batch=ctx.groups_per_batch,
+                max_retries=2,
+            )
+        except BaseException:
+            self.envs.close(terminate=True)
+            raise
+
+    @property
+    def env_steps(self) -> int:
+        return self.rollouts.steps
+
+    def get_batch(self):
+        groups = self.rollouts.get_batch(self.ctx.groups_per_batch)
+        base = self.ctx.stream.base_seed
+        return [
+            GroupRecord(
+                g.task.seed - base,
+                g.task.seed,
+                [
+                    TrajRecord(
+                        g.task.seed - base,
+                        g.task.seed,
+                        t.index,
+                        t.started_s,
+                        t.ended_s,
+                        t.num_steps,
+                        t.total_reward,
+                        STATUS.get(t.status.value, t.status.value),
+                    )  # fmt: skip
+                    for t in g.trajectories
+                ],
+            )
+            for g in groups
+        ]
+
+    def env_pids(self):
+        return worker_pids(self.envs)
+
+    def stats(self):
+        stats = self.rollouts.stats()
+        env_stats = self.envs.stats()
+        stats["worker_restarts"] = env_stats.get("worker_restarts")
+        stats["env_resets"] = env_stats.get("env_resets")
+        return stats
+
+    def close(self, terminate: bool = False) -> None:
+        try:
+            self.rollouts.close()
+        finally:
+            self.envs.close(terminate=terminate)

@@ -1,0 +1,145 @@
+"""``shmvec-bench rollouts`` (also ``python -m shmvec_bench.rollouts``): complete groups of
+trajectories per second, policy idle time, tail latency and memory of shmvec's
+rollout layer beside the runners agent trainers use, on text-game workloads.
+
+Writes OUT/rollouts.csv (every run, then the medians) and OUT/rollouts.png (grouped
+bars of groups/s), and prints a markdown table (medians of ``--repeats`` runs) with
+the machine it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from shmvec.spin import available_cpus
+from shmvec_bench.report import machine_summary, warn_if_busy
+from shmvec_bench.rollouts.backends import REGISTRY
+from shmvec_bench.rollouts.policies import POLICIES, policy_available
+from shmvec_bench.rollouts.report import markdown_table, write_csv, write_plot
+from shmvec_bench.rollouts.runner import measure, median_row
+from shmvec_bench.rollouts.workloads import WORKLOADS
+
+BACKENDS = list(REGISTRY)
+
+DESCRIPTION = """\
+Complete groups of trajectories per second of shmvec's rollout layer against
+faithful minimal re-implementations of the runners of RAGEN, verl-agent, ROLL,
+SkyRL/rLLM, and gymnasium's and gem's vector envs, on text games (gem-llm,
+FrozenLake as text), CPU-bound steps, tool waits and injected faults.
+
+examples:
+  shmvec-bench rollouts --workloads tool --num-envs 256 --repeats 3
+  shmvec-bench rollouts --workloads cpu200us --num-envs 64 --backends shmvec roll-threads
+  shmvec-bench rollouts --workloads tool tool-straggler --policy latency gru
+
+columns: "vs best / lock-step" divides shmvec's groups/s by the best baseline's of
+the same workload and policy, and by the best lock-step baseline's; "policy idle"
+is the share of the timed window the policy was not running."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    workloads = "\n".join(f"  {w:<16}{WORKLOADS[w].summary}" for w in WORKLOADS)
+    backends = "\n".join(
+        f"  {b:<18}{REGISTRY[b].summary}\n{'':<20}mirrors {REGISTRY[b].mirrors}" for b in REGISTRY
+    )
+    parser = argparse.ArgumentParser(
+        prog="shmvec-bench rollouts",
+        description=DESCRIPTION,
+        epilog=f"workloads:\n{workloads}\n\nbackends:\n{backends}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--workloads", nargs="+", choices=list(WORKLOADS), default=["tool"], metavar="NAME",
+        help="workloads, listed below (default: tool)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--backends", nargs="+", choices=BACKENDS, default=BACKENDS, metavar="NAME",
+        help="runners, listed below (default: all); those not installed are skipped",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policy", nargs="+", choices=POLICIES, default=["latency"],
+        help="latency: a GPU decode batch's latency model; gru: a tiny torch GRU on the CPU "
+        "(needs torch) (default: latency)",
+    )  # fmt: skip
+    parser.add_argument("--num-envs", type=int, default=256, metavar="N", help="default: 256")
+    parser.add_argument("--group-size", type=int, default=8, metavar="G", help="default: 8")
+    parser.add_argument(
+        "--batch-size", type=int, default=None, metavar="N",
+        help="shmvec's rows per policy call (default: a quarter of the envs)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seconds", type=float, default=10.0, metavar="S",
+        help="timed window per run, at least one get_batch (default: 10)",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3, metavar="N", help="runs per row")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, metavar="S",
+        help="a run with no batch for this long is reported as hung (default: 120)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench-results"), metavar="DIR",
+        help="output folder (default: bench-results)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.num_envs % args.group_size:
+        parser.error(f"--num-envs {args.num_envs} is not a multiple of --group-size")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the rollout benchmark; returns 0 (a crash or hang is a reported result)."""
+    args = parse_args(argv)
+    cores = available_cpus()
+    backends = [b for b in args.backends if REGISTRY[b].is_importable()]
+    for b in sorted(set(args.backends) - set(backends)):
+        print(f"note: {REGISTRY[b].requires} is not installed; skipping {b}", file=sys.stderr)
+    policies = [p for p in args.policy if policy_available(p)]
+    for p in sorted(set(args.policy) - set(policies)):
+        print(f"note: torch is not installed; skipping the {p} policy", file=sys.stderr)
+    load = warn_if_busy(cores)
+    started = time.perf_counter()
+    runs, medians = [], []
+    for workload in args.workloads:
+        for policy in policies:
+            for backend in backends:
+                rows = []
+                for repeat in range(args.repeats):
+                    m = measure(
+                        workload, backend, policy, num_envs=args.num_envs,
+                        group_size=args.group_size, seconds=args.seconds, timeout=args.timeout,
+                        seed=repeat, batch_size=args.batch_size,
+                    )  # fmt: skip
+                    rows.append(m)
+                    print(
+                        f"[{workload} {policy} {backend} run {repeat + 1}] {m.outcome}: "
+                        f"{m.groups_per_s:.2f} groups/s, {m.batches} batches in {m.seconds:.1f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    # A run with one batch longer than three windows, or a failure,
+                    # is not repeated: its figure is already clear.
+                    if m.outcome != "ok" or m.seconds > 3 * args.seconds:
+                        break
+                runs += rows
+                medians.append(median_row(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(runs + medians, args.out / "rollouts.csv")
+    summary = machine_summary(cores, load)
+    plotted = write_plot(medians, args.out / "rollouts.png", title=summary)
+    print(summary)
+    print(
+        f"medians of up to {args.repeats} runs; {args.num_envs} envs, groups of "
+        f"{args.group_size}, {args.seconds:g} s windows"
+    )
+    print()
+    print(markdown_table(medians))
+    written = ["rollouts.csv"] + (["rollouts.png"] if plotted else [])
+    print(
+        f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s; "
+        f"wrote {', '.join(str(args.out / n) for n in written)}"
+    )
+    return 0

@@ -1,0 +1,253 @@
+"""The rollout runner: opens a backend, times ``get_batch`` calls, fills a measurement.
+
+One measurement: open the backend with a fresh policy and task stream; for runners
+without a barrier per batch, take one batch untimed (every env starts at once, a
+ramp-up no steady state has); then call ``get_batch()`` until ``seconds`` have
+passed (at least one call). Everything is counted inside that window: complete
+groups and env steps per second, the policy's busy time (its idle share is the rest
+of the window: every window has unfinished trajectories throughout), each
+``get_batch``'s latency, each trajectory's time from its reset to its end, the CPU
+time of this process and every process below it per env step, and at the end the
+total PSS of that process tree. A backend that raises, or gives no batch within
+``timeout`` seconds, is a result (``outcome``), not a reason to stop.
+
+W4 (``kill_every_s``) also kills one env process of the backend (SIGKILL) that often.
+
+Example:
+    >>> m = measure("guess", "ragen-serial", "latency", num_envs=8, group_size=4, seconds=0.1)
+    >>> m.outcome, m.groups >= 2
+    ('ok', True)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from shmvec_bench.rollouts.backends import REGISTRY
+from shmvec_bench.rollouts.policies import make_policy
+from shmvec_bench.rollouts.records import GroupRecord, RunContext, TaskStream
+from shmvec_bench.rollouts.workloads import RELEASE_HANGS, WORKLOADS, is_straggler
+from shmvec_bench.rss import tree_cpu_s, tree_pss_mib
+from shmvec_bench.runner import MeasurementTimeout, deadline
+
+
+@dataclass
+class RolloutMeasurement:
+    """One timed run of one backend (or the median of several: ``runs``)."""
+
+    workload: str
+    backend: str
+    policy: str
+    num_envs: int
+    group_size: int
+    #: ``get_batch`` calls timed, and the complete groups they returned.
+    batches: int = 0
+    groups: int = 0
+    seconds: float = 0.0
+    groups_per_s: float = float("nan")
+    steps_per_s: float = float("nan")
+    #: Share of the window the policy was not running (trajectories were unfinished throughout).
+    policy_idle_share: float = float("nan")
+    get_batch_p50_s: float = float("nan")
+    get_batch_p99_s: float = float("nan")
+    #: A trajectory's time from its reset to its last step.
+    traj_p50_s: float = float("nan")
+    traj_p99_s: float = float("nan")
+    #: Total PSS of this process and every process below it, at the end of the window.
+    pss_mib: float = float("nan")
+    pss_mib_per_1k_envs: float = float("nan")
+    #: CPU seconds (this process and its descendants) per env step, in the window.
+    cpu_s_per_step: float = float("nan")
+    #: Straggling tasks' share of the tasks launched / of the groups returned, in the window.
+    straggler_launched_share: float = float("nan")
+    straggler_trained_share: float = float("nan")
+    #: Trajectories returned that did not end as the game ended them (errors, deaths).
+    failed_trajectories: int = 0
+    #: ``ok``, ``crash: <exception>`` or ``hang: <no batch within the timeout>``.
+    outcome: str = "ok"
+    #: Groups launched but neither returned nor still running (lost to a crash, dropped).
+    lost_groups: int = 0
+    #: Env processes killed by the fault injector.
+    kills: int = 0
+    #: The backend's own accounting (shmvec: ``Rollouts.stats()``), one line.
+    accounting: str = ""
+    #: Measurements this row is the median of.
+    runs: int = 1
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+class Killer:
+    """Kills one of ``pids()`` with SIGKILL every ``every_s`` seconds, in a thread."""
+
+    def __init__(self, pids, every_s: float, seed: int) -> None:
+        self.pids, self.every_s = pids, every_s
+        self.rng = random.Random(seed)
+        self.kills = 0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="killer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            alive = self.pids()
+            if alive:
+                try:
+                    os.kill(self.rng.choice(alive), signal.SIGKILL)
+                    self.kills += 1
+                except ProcessLookupError:
+                    pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join()
+
+
+def measure(
+    workload: str,
+    backend: str,
+    policy: str = "latency",
+    *,
+    num_envs: int,
+    group_size: int = 8,
+    seconds: float = 10.0,
+    timeout: float = 120.0,
+    seed: int = 0,
+    batch_size: int | None = None,
+    num_workers: int | None = None,
+    context: str = "forkserver",
+) -> RolloutMeasurement:
+    """Opens ``backend``, times ``get_batch`` for ``seconds``, closes it (see the module)."""
+    if num_envs % group_size:
+        raise ValueError(f"num_envs={num_envs} is not a multiple of group_size={group_size}")
+    spec, entry = WORKLOADS[workload], REGISTRY[backend]
+    row = RolloutMeasurement(workload, backend, policy, num_envs, group_size)
+    RELEASE_HANGS.clear()
+    pol = make_policy(policy, spec.actions, seed)
+    stream = TaskStream(seed)
+    ctx = RunContext(
+        workload, num_envs, group_size, num_envs // group_size, pol, seed,
+        batch_size=batch_size, num_workers=num_workers, context=context, stream=stream,
+    )  # fmt: skip
+    runner = killer = None
+    groups: list[GroupRecord] = []
+    latencies: list[float] = []
+    failed = False
+    try:
+        with deadline(timeout):
+            runner = entry.open(ctx)
+            if spec.kill_every_s:
+                killer = Killer(runner.env_pids, spec.kill_every_s, seed)
+            if not entry.lockstep:
+                runner.get_batch()
+            busy0, _, _ = pol.clock.snapshot()
+            steps0, launched0, stragglers0 = runner.env_steps, stream.launched, stream.stragglers
+            cpu0 = tree_cpu_s()
+            start = time.perf_counter()
+            while True:
+                before = time.perf_counter()
+                groups += runner.get_batch()
+                after = time.perf_counter()
+                latencies.append(after - before)
+                if after - start >= seconds:
+                    break
+            elapsed = after - start
+            cpu1 = tree_cpu_s()
+            busy1, _, _ = pol.clock.snapshot()
+            row.pss_mib = tree_pss_mib()
+            row.steps_per_s = (runner.env_steps - steps0) / elapsed
+            cpu = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1)
+            row.cpu_s_per_step = cpu / max(1, runner.env_steps - steps0)
+            launched = stream.launched - launched0
+            if launched:
+                row.straggler_launched_share = (stream.stragglers - stragglers0) / launched
+            row.seconds = elapsed
+            row.policy_idle_share = max(0.0, 1.0 - (busy1 - busy0) / elapsed)
+    except MeasurementTimeout as exc:
+        failed = True
+        row.outcome = f"hang: {exc}"
+    except Exception as exc:  # a crash is a result
+        failed = True
+        row.outcome = f"crash: {type(exc).__name__}: {exc}".splitlines()[0][:160]
+    finally:
+        if killer is not None:
+            killer.stop()
+            row.kills = killer.kills
+        if runner is not None:
+            stats = None
+            try:
+                stats = runner.stats()
+            except Exception:
+                pass
+            if stats:
+                row.accounting = _accounting(stats)
+                row.lost_groups = sum((stats.get("groups_dropped") or {}).values())
+            elif failed:
+                # Everything launched and not returned went down with the runner.
+                row.lost_groups = max(0, stream.launched - len(groups))
+            RELEASE_HANGS.set()
+            with deadline(30.0):
+                runner.close(terminate=failed)
+    row.batches, row.groups = len(latencies), len(groups)
+    if row.seconds:
+        row.groups_per_s = row.groups / row.seconds
+    trajs = [t for g in groups for t in g.trajectories]
+    walls = [t.finished - t.started for t in trajs]
+    row.traj_p50_s, row.traj_p99_s = _percentile(walls, 50), _percentile(walls, 99)
+    row.get_batch_p50_s = _percentile(latencies, 50)
+    row.get_batch_p99_s = _percentile(latencies, 99)
+    row.pss_mib_per_1k_envs = row.pss_mib / num_envs * 1000
+    row.failed_trajectories = sum(t.status not in ("done", "truncated") for t in trajs)
+    if groups:
+        row.straggler_trained_share = sum(is_straggler(g.seed) for g in groups) / len(groups)
+    return row
+
+
+def _accounting(stats: dict) -> str:
+    """The backend's own counts, one line (shmvec's ``Rollouts.stats()`` and its env's)."""
+    keys = (
+        "launched", "completed", "in_flight", "dropped", "retries", "groups_delivered",
+        "groups_dropped", "worker_restarts", "env_resets",
+    )  # fmt: skip
+    parts = []
+    for key in keys:
+        value = stats.get(key)
+        if value is None or value == {} or value == []:
+            continue
+        if isinstance(value, list):
+            value = sum(value)
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+def median_row(rows: Sequence[RolloutMeasurement]) -> RolloutMeasurement:
+    """Each numeric field's median over ``rows`` (the successful ones, if any); the
+    outcome of the first failure, if every run failed or any crashed or hung."""
+    ok = [r for r in rows if r.outcome == "ok"] or list(rows)
+    first = ok[0]
+    merged = RolloutMeasurement(
+        first.workload, first.backend, first.policy, first.num_envs, first.group_size
+    )
+    for f in fields(RolloutMeasurement):
+        values = [getattr(r, f.name) for r in ok]
+        if f.type in ("float", "int") and all(isinstance(v, (int, float)) for v in values):
+            clean = [v for v in values if v == v]
+            if clean:
+                value = statistics.median(clean)
+                setattr(merged, f.name, round(value) if f.type == "int" else value)
+    bad = [r for r in rows if r.outcome != "ok"]
+    merged.outcome = bad[0].outcome if bad else "ok"
+    merged.accounting = (bad[0] if bad else first).accounting
+    merged.runs = len(rows)
+    return merged

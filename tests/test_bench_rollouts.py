@@ -1,0 +1,136 @@
+"""Fast checks of the rollout benchmark (shmvec_bench.rollouts): every runner on a tiny
+workload returns the groups asked for, each complete, with sane metrics; the text
+envs replay from their seed whatever else runs in the process; the CLI writes its
+table, CSV and plot."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+
+import pytest
+
+from shmvec_bench.rollouts.backends import REGISTRY
+from shmvec_bench.rollouts.cli import main
+from shmvec_bench.rollouts.policies import make_policy
+from shmvec_bench.rollouts.records import RunContext
+from shmvec_bench.rollouts.runner import measure, median_row
+from shmvec_bench.rollouts.workloads import WORKLOADS, clip_text, make_env, text_space
+
+NUM_ENVS, GROUP = 8, 4
+HAS_GEM = importlib.util.find_spec("gem") is not None
+#: gem-llm's games where it is installed, else FrozenLake as text (gymnasium only).
+GAME = "guess" if HAS_GEM else "frozenlake"
+needs_gem = pytest.mark.skipif(not HAS_GEM, reason="needs gem-llm")
+
+
+@pytest.mark.parametrize("backend", list(REGISTRY))
+def test_every_runner_returns_complete_groups(backend):
+    if not REGISTRY[backend].is_importable():
+        pytest.skip(f"needs {REGISTRY[backend].requires}")
+    policy = make_policy("latency", WORKLOADS[GAME].actions)
+    ctx = RunContext(GAME, NUM_ENVS, GROUP, NUM_ENVS // GROUP, policy)
+    runner = REGISTRY[backend].open(ctx)
+    try:
+        for _ in range(2):
+            groups = runner.get_batch()
+            assert len(groups) == NUM_ENVS // GROUP
+            for group in groups:
+                assert len(group.trajectories) == GROUP
+                assert sorted(t.member for t in group.trajectories) == list(range(GROUP))
+                for traj in group.trajectories:
+                    assert traj.seed == group.seed
+                    assert traj.status in ("done", "truncated")
+                    assert 1 <= traj.steps <= WORKLOADS[GAME].max_turns
+                    assert traj.finished >= traj.started
+        assert runner.env_steps >= sum(t.steps for g in groups for t in g.trajectories)
+    finally:
+        runner.close()
+    # Each task's group came back once, and every group returned was launched.
+    assert ctx.stream.launched >= 2 * NUM_ENVS // GROUP
+
+
+@pytest.mark.parametrize("backend", ["ragen-serial", "shmvec"])
+def test_measure_accounts_consistently(backend):
+    m = measure(GAME, backend, num_envs=NUM_ENVS, group_size=GROUP, seconds=0.2, timeout=60)
+    assert m.outcome == "ok"
+    assert m.groups == m.batches * (NUM_ENVS // GROUP)
+    assert m.groups_per_s == pytest.approx(m.groups / m.seconds)
+    assert m.steps_per_s > 0 and m.cpu_s_per_step > 0
+    assert 0.0 <= m.policy_idle_share <= 1.0
+    assert m.get_batch_p50_s <= m.get_batch_p99_s
+    assert 0 < m.traj_p50_s <= m.traj_p99_s
+    assert m.pss_mib > 0 and m.failed_trajectories == 0 and m.lost_groups == 0
+
+
+@needs_gem
+def test_a_crashing_runner_is_a_result_with_its_losses():
+    m = measure(
+        "faults", "ragen-serial", num_envs=NUM_ENVS, group_size=GROUP, seconds=30, timeout=60
+    )
+    assert m.outcome.startswith("crash: ToolError")
+    assert m.lost_groups >= NUM_ENVS // GROUP
+
+
+def test_median_row_takes_each_field_median():
+    rows = [
+        measure("frozenlake", "ragen-serial", num_envs=4, group_size=2, seconds=0.05, seed=s)
+        for s in range(3)
+    ]
+    merged = median_row(rows)
+    assert merged.runs == 3 and merged.outcome == "ok"
+    assert (
+        min(r.groups_per_s for r in rows)
+        <= merged.groups_per_s
+        <= max(r.groups_per_s for r in rows)
+    )
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [pytest.param(w, marks=needs_gem) for w in ("guess", "minesweeper", "sudoku")] + ["frozenlake"],
+)
+def test_text_envs_replay_from_their_seed(workload):
+    """Two envs stepped interleaved give what each gives alone: their randomness is their own."""
+    actions = WORKLOADS[workload].actions
+
+    def play(envs, seed):
+        out = [[env.reset(seed=seed)[0]] for env in envs]
+        for k in range(6):
+            for env, trace in zip(envs, out):
+                trace.append(env.step(actions[(3 * k + 1) % len(actions)])[:3])
+        return out
+
+    together = play([make_env(workload, 0), make_env(workload, 1)], seed=7)
+    alone = play([make_env(workload, 2)], seed=7)
+    assert together[0] == together[1] == alone[0]
+    space = text_space(10)
+    assert space.contains(clip_text("ab\u2603", 10)) and clip_text("abcdef", 3) == "def"
+
+
+def test_cli_writes_table_csv_and_plot(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(
+        ["--workloads", "frozenlake", "--backends", "ragen-serial", "shmvec-loop",
+         "--num-envs", "4", "--group-size", "2", "--seconds", "0.1", "--repeats", "1",
+         "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| frozenlake | latency | shmvec-loop | 4 |" in table
+    with open(out / "rollouts.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["backend"] for r in rows} == {"ragen-serial", "shmvec-loop"}
+    assert all(r["outcome"] == "ok" for r in rows)
+
+
+@pytest.mark.parametrize("name", ["latency", "gru"])
+def test_policies_answer_every_row_from_the_vocabulary(name):
+    if name == "gru":
+        pytest.importorskip("torch")
+    actions = WORKLOADS["frozenlake"].actions
+    policy = make_policy(name, actions, seed=1)
+    answers = policy(["first observation", "", "x" * 500])
+    assert len(answers) == 3 and set(answers) <= set(actions)
+    busy_s, calls, rows = policy.clock.snapshot()
+    assert busy_s > 0 and (calls, rows) == (1, 3)
