@@ -119,7 +119,7 @@ if __name__ == "__main__":
     print("LOOP", _worker_loop.__file__)
 """
 #: Where the copy of the tests comes from: what the suite reads besides shmvec itself.
-TEST_TREE = ("tests", "docs", "examples", "benchmarks", "README.md", "pyproject.toml")
+TEST_TREE = ("tests", "docs", "examples", "benchmarks", "dev", "README.md", "pyproject.toml")
 #: Never the checkout's paths: the fresh venvs must import their own installed shmvec.
 DROPPED_ENV = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", "PIP_CONSTRAINT")
 
@@ -380,16 +380,21 @@ class Result:
 
 
 def zig_wrappers(folder: Path, arch: str) -> tuple[Path, Path]:
-    """``cc`` and ``c++`` scripts that run the pinned zig for ``arch``'s glibc 2.17 target."""
+    """``cc`` and ``c++`` scripts that run the pinned zig for ``arch``'s glibc 2.17 target.
+
+    They run zig's binary itself, not ``python -m ziglang``: pip's isolated build hides this
+    Python's site-packages from any Python the build starts.
+    """
+    import ziglang
+
+    zig = Path(ziglang.__file__).with_name("zig")
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, driver in (("cc", "cc"), ("c++", "c++")):
+    for name in ("cc", "c++"):
         path = folder / name
         path.write_text(
-            "#!/bin/sh\n"
-            f"exec {shlex.quote(sys.executable)} -m ziglang {driver} "
-            f"-target {ZIG_TARGETS[arch]} \"$@\"\n"
-        )  # fmt: skip
+            f'#!/bin/sh\nexec {shlex.quote(str(zig))} {name} -target {ZIG_TARGETS[arch]} "$@"\n'
+        )
         path.chmod(0o755)
         paths.append(path)
     return paths[0], paths[1]
