@@ -283,7 +283,9 @@ def read_module(path: Path, name: str) -> ModuleInfo:
         module = ModuleInfo(path=name, machine=machine)
         for section in elf.iter_sections():
             if isinstance(section, DynamicSection):
-                module.needed += [t.needed for t in section.iter_tags() if t.entry.d_tag == "DT_NEEDED"]
+                module.needed += [
+                    t.needed for t in section.iter_tags() if t.entry.d_tag == "DT_NEEDED"
+                ]
             elif isinstance(section, GNUVerNeedSection):
                 for verneed, auxiliaries in section.iter_versions():
                     names = [aux.name for aux in auxiliaries]
@@ -318,10 +320,16 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(args: Sequence[object], *, cwd: Path, env: dict[str, str] | None = None,
-        log_file: Path | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+def run(
+    args: Sequence[object],
+    *,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    log_file: Path | None = None,
+    timeout: float = 3600,
+) -> subprocess.CompletedProcess:
     """Runs a command; its output goes to ``log_file`` (else it is captured). Raises
-    ``RuntimeError`` with the output's tail if it fails."""  # fmt: skip
+    ``RuntimeError`` with the output's tail if it fails."""
     command = [str(a) for a in args]
     result = subprocess.run(
         command, cwd=cwd, env=env or clean_env(), capture_output=True, text=True, timeout=timeout
@@ -403,8 +411,12 @@ def zig_wrappers(folder: Path, arch: str) -> tuple[Path, Path]:
 def build_sdist(work: Path, log_file: Path) -> Path:
     out = work / "sdist"
     log("building the sdist")
-    run([sys.executable, "-m", "build", "--sdist", "--outdir", out, ROOT], cwd=ROOT,
-        env=clean_env(PIP_CONSTRAINT=str(PINS)), log_file=log_file)  # fmt: skip
+    run(
+        [sys.executable, "-m", "build", "--sdist", "--outdir", out, ROOT],
+        cwd=ROOT,
+        env=clean_env(PIP_CONSTRAINT=str(PINS)),
+        log_file=log_file,
+    )
     (sdist,) = out.glob("shmvec-*.tar.gz")
     return sdist
 
@@ -432,8 +444,9 @@ def target_headers(python: Interpreter, arch: str, work: Path) -> tuple[Path, st
     return include, aarch64_ext_suffix(python.soabi)
 
 
-def build_wheel(sdist: Path, python: Interpreter, arch: str, work: Path, out: Path,
-                log_file: Path) -> tuple[Path, str]:  # fmt: skip
+def build_wheel(
+    sdist: Path, python: Interpreter, arch: str, work: Path, out: Path, log_file: Path
+) -> tuple[Path, str]:
     """One wheel from a fresh unpack of the sdist, repaired into ``out``; returns it and the
     module suffix it must have."""
     name = f"{python.tag}-{arch}"
@@ -455,12 +468,30 @@ def build_wheel(sdist: Path, python: Interpreter, arch: str, work: Path, out: Pa
     )
     raw = work / f"raw-{name}"
     log(f"building the {name} wheel")
-    run([python.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", raw,
-         tree], cwd=work, env=env, log_file=log_file)  # fmt: skip
+    run(
+        [python.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w", raw, tree],
+        cwd=work,
+        env=env,
+        log_file=log_file,
+    )
     (built,) = raw.glob("shmvec-*.whl")
     log(f"repairing {built.name}")
-    run([sys.executable, "-m", "auditwheel", "repair", "--plat", f"{POLICY}_{arch}",
-         "-w", out, built], cwd=work, env=tool_env(), log_file=log_file)  # fmt: skip
+    run(
+        [
+            sys.executable,
+            "-m",
+            "auditwheel",
+            "repair",
+            "--plat",
+            f"{POLICY}_{arch}",
+            "-w",
+            out,
+            built,
+        ],
+        cwd=work,
+        env=tool_env(),
+        log_file=log_file,
+    )
     (repaired,) = out.glob(f"shmvec-*-{python.tag}-{python.tag}-*{arch}*.whl")
     return repaired, suffix
 
@@ -471,12 +502,17 @@ def tool_env() -> dict[str, str]:
     return clean_env(PATH=path)
 
 
-def check_wheel(wheel: Path, python: Interpreter, arch: str, suffix: str, work: Path,
-                log_file: Path) -> tuple[list[str], list[str]]:  # fmt: skip
+def check_wheel(
+    wheel: Path, python: Interpreter, arch: str, suffix: str, work: Path, log_file: Path
+) -> tuple[list[str], list[str]]:
     """Every check of a repaired wheel: its problems, and notes for the report."""
     problems = check_wheel_name(wheel.name, arch, python.tag)
-    shown = run([sys.executable, "-m", "auditwheel", "show", wheel], cwd=work, env=tool_env(),
-                log_file=log_file).stdout  # fmt: skip
+    shown = run(
+        [sys.executable, "-m", "auditwheel", "show", wheel],
+        cwd=work,
+        env=tool_env(),
+        log_file=log_file,
+    ).stdout
     tag = parse_auditwheel_show(shown)
     problems += check_auditwheel_tag(tag, arch)
     notes = [f"auditwheel show: consistent with {tag}"]
@@ -511,26 +547,40 @@ def copy_test_tree(dest: Path) -> Path:
     return dest
 
 
-def test_x86_64(wheel: Path, python: Interpreter, work: Path, out: Path, pytest_args: str,
-                log_file: Path) -> tuple[list[str], str]:  # fmt: skip
+def test_x86_64(
+    wheel: Path, python: Interpreter, work: Path, out: Path, pytest_args: str, log_file: Path
+) -> tuple[list[str], str]:
     """Installs the wheel into a fresh venv and runs the tests and the stepping record."""
     venv = work / f"venv-{python.tag}"
     run([python.executable, "-m", "venv", venv], cwd=work, log_file=log_file)
     vpython = venv / "bin" / "python"
     log(f"installing {wheel.name}[test] into a fresh venv")
-    run([vpython, "-m", "pip", "install", f"{wheel}[test]"], cwd=work, log_file=log_file,
-        timeout=1800)  # fmt: skip
+    run(
+        [vpython, "-m", "pip", "install", f"{wheel}[test]"],
+        cwd=work,
+        log_file=log_file,
+        timeout=1800,
+    )
     tree = copy_test_tree(work / f"tests-{python.tag}")
     where = run([vpython, "-c", "import shmvec; print(shmvec.__file__)"], cwd=tree).stdout
     if not where.strip().startswith(str(venv)):
         return [f"shmvec imported from {where.strip()}, not from the venv"], "not run"
     log(f"{python.tag}: pytest {pytest_args} against the installed wheel")
-    args = [*shlex.split(pytest_args), "-q", "-p", "no:cacheprovider",
-            "--ignore=tests/test_packaging.py"]  # fmt: skip
+    args = [
+        *shlex.split(pytest_args),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--ignore=tests/test_packaging.py",
+    ]
     result = subprocess.run(
-        [str(vpython), "-m", "pytest", *args], cwd=tree, env=clean_env(),
-        capture_output=True, text=True, timeout=4 * 3600,
-    )  # fmt: skip
+        [str(vpython), "-m", "pytest", *args],
+        cwd=tree,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=4 * 3600,
+    )
     with log_file.open("a") as f:
         f.write(f"$ pytest {shlex.join(args)}\n{result.stdout}{result.stderr}\n")
     summary = last_line(result.stdout)
@@ -555,9 +605,21 @@ def arm64_sysroot(folder: Path, log_file: Path) -> Path:
     if python.exists():
         return python
     log(f"making the arm64 sysroot {folder} from Debian's packages")
-    listed = run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests",
-                  "--no-conflicts", "--no-breaks", "--no-replaces", "--no-enhances",
-                  *ARM64_PACKAGES], cwd=Path.cwd()).stdout  # fmt: skip
+    listed = run(
+        [
+            "apt-cache",
+            "depends",
+            "--recurse",
+            "--no-recommends",
+            "--no-suggests",
+            "--no-conflicts",
+            "--no-breaks",
+            "--no-replaces",
+            "--no-enhances",
+            *ARM64_PACKAGES,
+        ],
+        cwd=Path.cwd(),
+    ).stdout
     names = sorted({n for n in listed.split() if n.endswith(":arm64")})
     debs = folder.parent / f"{folder.name}-debs"
     debs.mkdir(parents=True, exist_ok=True)
@@ -567,8 +629,9 @@ def arm64_sysroot(folder: Path, log_file: Path) -> Path:
     return python
 
 
-def test_aarch64(wheel: Path, python: Interpreter, work: Path, sysroot: Path,
-                 log_file: Path) -> tuple[list[str], str]:  # fmt: skip
+def test_aarch64(
+    wheel: Path, python: Interpreter, work: Path, sysroot: Path, log_file: Path
+) -> tuple[list[str], str]:
     """The smoke test and tests/test_core.py under qemu-aarch64, with Debian's arm64 Python
     and the aarch64 wheels of the test requirements."""
     if python.version != ARM64_PYTHON:
@@ -581,10 +644,30 @@ def test_aarch64(wheel: Path, python: Interpreter, work: Path, sysroot: Path,
     site = work / f"site-{python.tag}-aarch64"
     log(f"installing {wheel.name} and the test requirements for aarch64")
     version = f"{python.version[0]}.{python.version[1]}"
-    run([sys.executable, "-m", "pip", "install", "--target", site, "--platform",
-         "manylinux2014_aarch64", "--platform", f"{POLICY}_aarch64", "--only-binary=:all:",
-         "--python-version", version, "--implementation", "cp", wheel,
-         *ARM64_TEST_REQUIREMENTS], cwd=work, log_file=log_file, timeout=1800)  # fmt: skip
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--target",
+            site,
+            "--platform",
+            "manylinux2014_aarch64",
+            "--platform",
+            f"{POLICY}_aarch64",
+            "--only-binary=:all:",
+            "--python-version",
+            version,
+            "--implementation",
+            "cp",
+            wheel,
+            *ARM64_TEST_REQUIREMENTS,
+        ],
+        cwd=work,
+        log_file=log_file,
+        timeout=1800,
+    )
     tree = copy_test_tree(work / f"tests-{python.tag}-aarch64")
     (tree / "smoke.py").write_text(SMOKE)
     env = clean_env(PYTHONPATH=str(site), QEMU_LD_PREFIX=str(sysroot))
@@ -598,9 +681,13 @@ def test_aarch64(wheel: Path, python: Interpreter, work: Path, sysroot: Path,
     except RuntimeError as exc:
         problems.append(f"smoke test under qemu: {exc}")
     result = subprocess.run(
-        [*map(str, command), "-m", "pytest", "tests/test_core.py", "-q", "-p",
-         "no:cacheprovider"], cwd=tree, env=env, capture_output=True, text=True, timeout=3600,
-    )  # fmt: skip
+        [*map(str, command), "-m", "pytest", "tests/test_core.py", "-q", "-p", "no:cacheprovider"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     with log_file.open("a") as f:
         f.write(f"$ qemu pytest tests/test_core.py\n{result.stdout}{result.stderr}\n")
     summary = last_line(result.stdout)
@@ -640,16 +727,28 @@ def check_tools() -> None:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="where the wheels go")
-    parser.add_argument("--python", nargs="+", default=[sys.executable], metavar="PY",
-                        help="the CPython interpreters to build for (default: this one)")  # fmt: skip
+    parser.add_argument(
+        "--python",
+        nargs="+",
+        default=[sys.executable],
+        metavar="PY",
+        help="the CPython interpreters to build for (default: this one)",
+    )
     parser.add_argument("--arch", nargs="+", default=["x86_64"], choices=ARCHES)
-    parser.add_argument("--test", action="store_true",
-                        help="install each wheel and run the tests against it")  # fmt: skip
-    parser.add_argument("--pytest-args", default="tests",
-                        help="what pytest runs for an x86_64 wheel (default: the suite)")  # fmt: skip
-    parser.add_argument("--aarch64-sysroot", type=Path,
-                        default=Path.home() / ".cache" / "shmvec-wheels" / "arm64-sysroot",
-                        help="Debian's arm64 Python for qemu (made here if missing)")  # fmt: skip
+    parser.add_argument(
+        "--test", action="store_true", help="install each wheel and run the tests against it"
+    )
+    parser.add_argument(
+        "--pytest-args",
+        default="tests",
+        help="what pytest runs for an x86_64 wheel (default: the suite)",
+    )
+    parser.add_argument(
+        "--aarch64-sysroot",
+        type=Path,
+        default=Path.home() / ".cache" / "shmvec-wheels" / "arm64-sysroot",
+        help="Debian's arm64 Python for qemu (made here if missing)",
+    )
     parser.add_argument("--keep-work", action="store_true", help="keep the build folders")
     return parser.parse_args(argv)
 
@@ -700,7 +799,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     for result in results:
         status = "ok" if result.ok else "FAILED"
-        print(f"{result.python} {result.arch}: {status}  {result.wheel.name if result.wheel else ''}")
+        print(
+            f"{result.python} {result.arch}: {status}  {result.wheel.name if result.wheel else ''}"
+        )
         for note in result.notes:
             print(f"    {note}")
         if args.test:

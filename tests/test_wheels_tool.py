@@ -159,7 +159,9 @@ def test_check_auditwheel_tag(tag, arch: str, problem) -> None:
 def test_check_wheel_name() -> None:
     good = "shmvec-0.1.0-cp311-cp311-manylinux_2_17_aarch64.manylinux2014_aarch64.whl"
     assert wheels.check_wheel_name(good, "aarch64", "cp311") == []
-    problems = wheels.check_wheel_name("shmvec-0.1.0-cp311-cp311-linux_x86_64.whl", "x86_64", "cp312")
+    problems = wheels.check_wheel_name(
+        "shmvec-0.1.0-cp311-cp311-linux_x86_64.whl", "x86_64", "cp312"
+    )
     assert len(problems) == 3
     assert any("cp311-cp311, not cp312-cp312" in p for p in problems)
     assert any("manylinux_2_17_x86_64" in p for p in problems)
