@@ -83,6 +83,10 @@ CXX_RUNTIME_PREFIXES = ("GLIBCXX", "CXXABI", "GCC")
 ELF_MACHINES = {"EM_X86_64": "x86_64", "EM_AARCH64": "aarch64"}
 #: The targets of ``zig c++ -target``.
 ZIG_TARGETS = {"x86_64": "x86_64-linux-gnu.2.17", "aarch64": "aarch64-linux-gnu.2.17"}
+#: zig keeps frame pointers at every optimization level, GCC drops them from -O1 on: with
+#: them, a no-op step was ~3.5% slower than the GCC build's (7 alternated pairs, 2-vCPU VM,
+#: 2026-11-26; docs/performance.md).
+ZIG_FLAGS = "-fomit-frame-pointer"
 #: Debian 12's arm64 Python, and what the tests import beyond the standard library.
 ARM64_PYTHON = (3, 11)
 ARM64_PACKAGES = ("python3.11:arm64",)
@@ -401,7 +405,8 @@ def zig_wrappers(folder: Path, arch: str) -> tuple[Path, Path]:
     for name in ("cc", "c++"):
         path = folder / name
         path.write_text(
-            f'#!/bin/sh\nexec {shlex.quote(str(zig))} {name} -target {ZIG_TARGETS[arch]} "$@"\n'
+            f"#!/bin/sh\nexec {shlex.quote(str(zig))} {name} -target {ZIG_TARGETS[arch]} "
+            f'{ZIG_FLAGS} "$@"\n'
         )
         path.chmod(0o755)
         paths.append(path)
