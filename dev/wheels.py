@@ -481,6 +481,9 @@ def build_wheel(
     )
     (built,) = raw.glob("shmvec-*.whl")
     log(f"repairing {built.name}")
+    # auditwheel offers only the build machine's policies by name; for another architecture
+    # "auto" takes the most compatible one the modules allow (check_wheel_name checks it).
+    plat = f"{POLICY}_{arch}" if arch == os.uname().machine else "auto"
     run(
         [
             sys.executable,
@@ -488,7 +491,7 @@ def build_wheel(
             "auditwheel",
             "repair",
             "--plat",
-            f"{POLICY}_{arch}",
+            plat,
             "-w",
             out,
             built,
