@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -111,11 +112,18 @@ class CMakeBuild(build_ext):
         # cannot re-point a cache at another generator or make program, so when any of
         # these changed the build dir starts afresh; with the same tools (build_ext
         # --inplace, --no-build-isolation) it is kept and only what changed is rebuilt.
+        # The compiler, its flags and $CMAKE_ARGS count as tools too: CMake records the
+        # compiler at the first configure and keeps it, silently, when $CXX changes.
+        extra_args = shlex.split(os.environ.get("CMAKE_ARGS", ""))
         tools = {
             "cmake": cmake,
             "make_program": ninja,
             "python": sys.executable,
             "pybind11_dir": pybind11.get_cmake_dir(),
+            "cxx": find_cxx_compiler(),
+            "cxxflags": os.environ.get("CXXFLAGS", ""),
+            "ldflags": os.environ.get("LDFLAGS", ""),
+            "cmake_args": extra_args,
         }
         tools_file = build_dir / "shmvec-build-tools.json"
         if build_dir.exists() and (
@@ -139,6 +147,8 @@ class CMakeBuild(build_ext):
             config.append(f"-DSHMVEC_SANITIZE={os.environ['SHMVEC_SANITIZE']}")
         if ninja:
             config += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+        # E.g. a cross build's -DPython_INCLUDE_DIR and -DSHMVEC_EXT_SUFFIX (dev/wheels.py).
+        config += extra_args
         subprocess.run(config, check=True)
         tools_file.write_text(json.dumps(tools))
         jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(len(os.sched_getaffinity(0))))

@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -36,11 +37,20 @@ void write_header(void* addr, size_t size) {
 
 }  // namespace
 
+// The kernel's value (linux/memfd.h); glibc's <sys/mman.h> has it from 2.27 on.
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
+#endif
+
+int open_memfd(const char* name) {
+  return int(syscall(__NR_memfd_create, name, MFD_CLOEXEC));
+}
+
 Segment Segment::create(size_t size) {
   if (size < sizeof(SegmentHeader)) {
     throw std::invalid_argument("segment smaller than its header");
   }
-  int fd = memfd_create("shmvec", MFD_CLOEXEC);
+  int fd = open_memfd("shmvec");
   if (fd < 0) throw_errno("memfd_create");
   if (ftruncate(fd, off_t(size)) != 0) {
     int saved = errno;

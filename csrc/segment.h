@@ -30,6 +30,13 @@ struct SegmentHeader {
 };
 static_assert(sizeof(SegmentHeader) == kCacheLine, "header is one line");
 
+// memfd_create(name, MFD_CLOEXEC) through the system call itself: glibc
+// declares memfd_create only from 2.27, and the wheels are built against
+// glibc 2.17 (manylinux2014). The call is in every kernel from Linux 3.17
+// (RHEL/CentOS 7.3). Returns the fd, or -1 with errno set (ENOSYS on an older
+// kernel). Any thread may call it.
+int open_memfd(const char* name);
+
 class Segment {
  public:
   // Creates and maps a zero-filled segment of `size` bytes (header included).
