@@ -62,6 +62,14 @@ class RunContext:
     batch_size: int | None = None
     #: shmvec's worker processes (None: one per core).
     num_workers: int | None = None
+    #: shmvec's env threads per worker (None: every env of a block for a workload that
+    #: waits, one for one that computes).
+    env_concurrency: int | None = None
+    #: shmvec's result slots (None: the vector env's default).
+    ring_depth: int | None = None
+    #: The layer's lag bound (``Rollouts(max_lag=...)``); the benchmark's trainer bumps
+    #: the policy version after every batch. None: unbounded.
+    max_lag: int | None = 1
     #: multiprocessing start method for process-based backends.
     context: str = "forkserver"
     stream: TaskStream = field(default=None)  # type: ignore[assignment]

@@ -80,6 +80,8 @@ class RolloutMeasurement:
     kills: int = 0
     #: The backend's own accounting (shmvec: ``Rollouts.stats()``), one line.
     accounting: str = ""
+    #: The backend's settings, where it has any (shmvec: the vector env's and the layer's).
+    config: str = ""
     #: Measurements this row is the median of.
     runs: int = 1
 
@@ -126,6 +128,9 @@ def measure(
     seed: int = 0,
     batch_size: int | None = None,
     num_workers: int | None = None,
+    env_concurrency: int | None = None,
+    ring_depth: int | None = None,
+    max_lag: int | None = 1,
     context: str = "forkserver",
 ) -> RolloutMeasurement:
     """Opens ``backend``, times ``get_batch`` for ``seconds``, closes it (see the module)."""
@@ -138,7 +143,8 @@ def measure(
     stream = TaskStream(seed)
     ctx = RunContext(
         workload, num_envs, group_size, num_envs // group_size, pol, seed,
-        batch_size=batch_size, num_workers=num_workers, context=context, stream=stream,
+        batch_size=batch_size, num_workers=num_workers, env_concurrency=env_concurrency,
+        ring_depth=ring_depth, max_lag=max_lag, context=context, stream=stream,
     )  # fmt: skip
     runner = killer = None
     groups: list[GroupRecord] = []
@@ -147,6 +153,7 @@ def measure(
     try:
         with deadline(timeout):
             runner = entry.open(ctx)
+            row.config = getattr(runner, "config", "")
             if spec.kill_every_s:
                 killer = Killer(runner.env_pids, spec.kill_every_s, seed)
             if not entry.lockstep:
@@ -249,5 +256,6 @@ def median_row(rows: Sequence[RolloutMeasurement]) -> RolloutMeasurement:
     bad = [r for r in rows if r.outcome != "ok"]
     merged.outcome = bad[0].outcome if bad else "ok"
     merged.accounting = (bad[0] if bad else first).accounting
+    merged.config = first.config
     merged.runs = len(rows)
     return merged

@@ -2,17 +2,19 @@
 
 Tasks flow in from the benchmark's task stream (``Rollouts(..., tasks=...)``);
 ``get_batch(n)`` hands over complete groups while the envs keep stepping
-(``mode="async"``); failed trajectories are retried (``max_retries=2``) and the
-rest accounted for in ``stats()``. Straggling tasks carry the label
-``"straggler"`` so that ``stats()["label_share"]`` compares their share of
-delivered groups with their share of launched ones.
+(``mode="async"``), each within ``max_lag`` policy versions (the benchmark's trainer
+sets the next version after every batch, as after an update); failed trajectories
+are retried (``max_retries=2``) and the rest accounted for in ``stats()``.
+Straggling tasks carry the label ``"straggler"`` so that
+``stats()["label_share"]`` compares their share of delivered groups with their
+share of launched ones.
 """
 
 from __future__ import annotations
 
 from shmvec.rollouts import Rollouts, Status, Task
 from shmvec_bench.rollouts.backends.base import register
-from shmvec_bench.rollouts.backends.shmvec_common import open_envs, worker_pids
+from shmvec_bench.rollouts.backends.shmvec_common import describe, open_envs, worker_pids
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TrajRecord
 from shmvec_bench.rollouts.workloads import is_straggler
 
@@ -52,11 +54,13 @@ class ShmvecLayer:
                 tasks=task_source(ctx),
                 mode="async",
                 groups_per_batch=ctx.groups_per_batch,
+                max_lag=ctx.max_lag,
                 max_retries=2,
             )
         except BaseException:
             self.envs.close(terminate=True)
             raise
+        self.config = describe(self.envs) + f" max_lag={ctx.max_lag}"
 
     @property
     def env_steps(self) -> int:
@@ -64,6 +68,8 @@ class ShmvecLayer:
 
     def get_batch(self):
         groups = self.rollouts.get_batch(self.ctx.groups_per_batch)
+        # The trainer's update after each batch: later actions carry the next version.
+        self.rollouts.set_version(self.rollouts.version + 1)
         base = self.ctx.stream.base_seed
         return [
             GroupRecord(
