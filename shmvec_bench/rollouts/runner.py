@@ -131,6 +131,7 @@ def measure(
     env_concurrency: int | None = None,
     ring_depth: int | None = None,
     max_lag: int | None = 1,
+    policy_mode: str = "batched",
     context: str = "forkserver",
 ) -> RolloutMeasurement:
     """Opens ``backend``, times ``get_batch`` for ``seconds``, closes it (see the module)."""
@@ -144,7 +145,8 @@ def measure(
     ctx = RunContext(
         workload, num_envs, group_size, num_envs // group_size, pol, seed,
         batch_size=batch_size, num_workers=num_workers, env_concurrency=env_concurrency,
-        ring_depth=ring_depth, max_lag=max_lag, context=context, stream=stream,
+        ring_depth=ring_depth, max_lag=max_lag, policy_mode=policy_mode, context=context,
+        stream=stream,
     )  # fmt: skip
     runner = killer = None
     groups: list[GroupRecord] = []

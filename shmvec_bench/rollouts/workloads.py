@@ -52,9 +52,19 @@ RELEASE_HANGS = threading.Event()
 # ----------------------------------------------------------------------- games
 
 
+#: Held while ``import_gem`` imports: env threads that make their games at once would
+#: otherwise find a module in ``sys.modules`` that another thread is still executing.
+_IMPORT_LOCK = threading.Lock()
+
+
 def import_gem(name: str) -> types.ModuleType:
     """Module ``name`` of gem-llm with its parent packages made as bare namespace
     modules, so that gem's ``__init__`` (and its registry) does not run."""
+    with _IMPORT_LOCK:
+        return _import_gem(name)
+
+
+def _import_gem(name: str) -> types.ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     import importlib

@@ -12,9 +12,12 @@ share of launched ones.
 
 from __future__ import annotations
 
-from shmvec.rollouts import Rollouts, Status, Task
+import asyncio
+
+from shmvec.rollouts import AsyncPolicy, Rollouts, Status, Task
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.backends.shmvec_common import describe, open_envs, worker_pids
+from shmvec_bench.rollouts.policies import Batcher
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TrajRecord
 from shmvec_bench.rollouts.workloads import is_straggler
 
@@ -41,15 +44,26 @@ class ShmvecLayer:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self.envs = open_envs(ctx)
+        self.batcher = None
         policy = ctx.policy
+        if ctx.policy_mode == "rows":
+            self.batcher = batcher = Batcher(policy)
 
-        def batched(batch):
-            return list(policy(list(batch.observations)))
+            async def ask(row):
+                return await asyncio.wrap_future(batcher.submit(row.observation))
 
+            layer_policy = AsyncPolicy(ask, concurrency=ctx.num_envs)
+        elif ctx.policy_mode == "batched":
+
+            def layer_policy(batch):
+                return list(policy(list(batch.observations)))
+
+        else:
+            raise ValueError(f"policy_mode must be 'batched' or 'rows', got {ctx.policy_mode!r}")
         try:
             self.rollouts = Rollouts(
                 self.envs,
-                batched,
+                layer_policy,
                 group_size=ctx.group_size,
                 tasks=task_source(ctx),
                 mode="async",
@@ -59,8 +73,10 @@ class ShmvecLayer:
             )
         except BaseException:
             self.envs.close(terminate=True)
+            if self.batcher is not None:
+                self.batcher.close()
             raise
-        self.config = describe(self.envs) + f" max_lag={ctx.max_lag}"
+        self.config = describe(self.envs) + f" max_lag={ctx.max_lag} policy={ctx.policy_mode}"
 
     @property
     def env_steps(self) -> int:
@@ -107,3 +123,5 @@ class ShmvecLayer:
             self.rollouts.close()
         finally:
             self.envs.close(terminate=terminate)
+            if self.batcher is not None:
+                self.batcher.close()
