@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
@@ -36,7 +37,7 @@ from shmvec_bench.rollouts.backends import REGISTRY
 from shmvec_bench.rollouts.policies import make_policy
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TaskStream
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, WORKLOADS, is_straggler
-from shmvec_bench.rss import tree_cpu_s, tree_pss_mib
+from shmvec_bench.rss import descendants, tree_cpu_s, tree_pss_mib
 from shmvec_bench.runner import MeasurementTimeout, deadline
 
 
@@ -149,6 +150,7 @@ def measure(
         stream=stream,
     )  # fmt: skip
     runner = killer = None
+    before = set(descendants(os.getpid()))
     groups: list[GroupRecord] = []
     latencies: list[float] = []
     failed = False
@@ -208,6 +210,10 @@ def measure(
             RELEASE_HANGS.set()
             with deadline(30.0):
                 runner.close(terminate=failed)
+        if failed:
+            # A backend that hung or crashed while opening left its processes behind
+            # (nothing holds it to close): they would count in the next runs' PSS and CPU.
+            _kill_new_processes(before)
     row.batches, row.groups = len(latencies), len(groups)
     if row.seconds:
         row.groups_per_s = row.groups / row.seconds
@@ -221,6 +227,16 @@ def measure(
     if groups:
         row.straggler_trained_share = sum(is_straggler(g.seed) for g in groups) / len(groups)
     return row
+
+
+def _kill_new_processes(before: set[int]) -> None:
+    """SIGKILLs the processes below this one that were not there before the run."""
+    for pid in set(descendants(os.getpid())) - before:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    multiprocessing.active_children()  # reaps those that were this process's children
 
 
 def _accounting(stats: dict) -> str:
