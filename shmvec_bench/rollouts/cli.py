@@ -90,6 +90,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "version after every batch; -1: unbounded (default: 1)",
     )  # fmt: skip
     parser.add_argument(
+        "--layer-policy", choices=("batched", "rows"), default="batched",
+        help="how the rollout layer calls the policy: batched (a callable on every row that "
+        "waits) or rows (an AsyncPolicy per row over a batching server) (default: batched)",
+    )  # fmt: skip
+    parser.add_argument(
         "--seconds", type=float, default=10.0, metavar="S",
         help="timed window per run, at least one get_batch (default: 10)",
     )  # fmt: skip
@@ -132,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         seed=repeat, batch_size=args.batch_size, num_workers=args.num_workers,
                         env_concurrency=args.env_concurrency, ring_depth=args.ring_depth,
                         max_lag=None if args.max_lag < 0 else args.max_lag,
+                        policy_mode=args.layer_policy,
                     )  # fmt: skip
                     rows.append(m)
                     print(
