@@ -150,7 +150,7 @@ def measure(
         stream=stream,
     )  # fmt: skip
     runner = killer = None
-    before = set(descendants(os.getpid()))
+    processes_before = set(descendants(os.getpid()))
     groups: list[GroupRecord] = []
     latencies: list[float] = []
     failed = False
@@ -213,7 +213,7 @@ def measure(
         if failed:
             # A backend that hung or crashed while opening left its processes behind
             # (nothing holds it to close): they would count in the next runs' PSS and CPU.
-            _kill_new_processes(before)
+            _kill_new_processes(processes_before)
     row.batches, row.groups = len(latencies), len(groups)
     if row.seconds:
         row.groups_per_s = row.groups / row.seconds
