@@ -70,16 +70,25 @@ def _import_gem(name: str) -> types.ModuleType:
     import importlib
     import importlib.util
 
-    if "gem" not in sys.modules:
-        spec = importlib.util.find_spec("gem")
-        if spec is None or not spec.submodule_search_locations:
-            raise ModuleNotFoundError("gem-llm is not installed (pip install gem-llm)")
-        root = spec.submodule_search_locations[0]
-        for package in ("gem", "gem.envs", "gem.envs.game_env"):
-            stub = types.ModuleType(package)
-            stub.__path__ = [root + package[3:].replace(".", "/")]
-            sys.modules[package] = stub
-    return importlib.import_module(name)
+    if "gem" in sys.modules:
+        return importlib.import_module(name)
+    spec = importlib.util.find_spec("gem")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("gem-llm is not installed (pip install gem-llm)")
+    root = spec.submodule_search_locations[0]
+    stubs = {}
+    for package in ("gem", "gem.envs", "gem.envs.game_env"):
+        stub = types.ModuleType(package)
+        stub.__path__ = [root + package[3:].replace(".", "/")]
+        sys.modules[package] = stubs[package] = stub
+    try:
+        return importlib.import_module(name)
+    finally:
+        # The stubs stand only while the module imports: a later ``import gem``
+        # runs gem's own ``__init__`` (and its registry), as it would have.
+        for package, stub in stubs.items():
+            if sys.modules.get(package) is stub:
+                del sys.modules[package]
 
 
 def gem_game(module: str, cls: str, **kwargs: Any) -> gym.Env:
