@@ -51,12 +51,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import os
 import random
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gymnasium as gym
@@ -175,7 +176,10 @@ class GemEnv(gym.Env[str, str]):
 
     Args:
         env_id: a GEM env id, e.g. ``"game:Minesweeper-v0-easy"``
-            (``gem.print_envs()`` lists them).
+            (``gem.print_envs()`` lists them), or a callable that makes the
+            GEM env, such as its class (``GuessTheNumberEnv``) or a
+            ``functools.partial`` of it with its arguments: a game that is not
+            registered, or one imported without ``gem``'s registry.
         append_suffix: GEM games put the current board (or the prompt for the
             next move) in ``info["suffix"]``; with True (default) the
             observation is the game's text, a newline, then the suffix, as GEM's
@@ -199,33 +203,40 @@ class GemEnv(gym.Env[str, str]):
 
     Importing ``gem`` takes several seconds (it imports ``reasoning_gym``) and
     calls ``logging.basicConfig(level=INFO)``; import it in the main process
-    before making the vector env, so that forked workers inherit it.
+    before making the vector env, so that forked workers inherit it. A callable
+    ``env_id`` is made as it is: ``gem`` is not imported for it.
     """
 
     metadata: dict[str, Any] = {"render_modes": []}
 
     def __init__(
         self,
-        env_id: str,
+        env_id: str | Callable[..., Any],
         *,
         append_suffix: bool = True,
         isolate_numpy: bool = True,
         **kwargs: Any,
     ) -> None:
-        try:
-            import gem
-        except ImportError as error:
-            raise ImportError(
-                'GemEnv needs GEM: pip install "shmvec[text]" (or gem-llm)'
-            ) from error
-        self.env_id = env_id
+        if callable(env_id):
+            make: Callable[..., Any] = env_id
+            func = getattr(env_id, "func", env_id)  # a functools.partial names its function
+            self.env_id: str = getattr(func, "__name__", repr(env_id))
+        else:
+            try:
+                import gem
+            except ImportError as error:
+                raise ImportError(
+                    'GemEnv needs GEM: pip install "shmvec[text]" (or gem-llm)'
+                ) from error
+            make = functools.partial(gem.make, env_id)
+            self.env_id = env_id
         self.append_suffix = append_suffix
         self.observation_space = text_space()
         self.action_space = text_space()
         self.random_state = PrivateGlobalRandom(numpy=isolate_numpy)
         self.turns = 0
         with self.random_state.swapped():  # GEM's games reset (and draw) when made
-            self.game = gem.make(env_id, **kwargs)
+            self.game = make(**kwargs)
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None

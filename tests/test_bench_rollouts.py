@@ -7,15 +7,20 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from shmvec_bench.rollouts.backends import REGISTRY
+from shmvec import UnboundedText
+from shmvec_bench.rollouts.backends import REGISTRY, Backend
 from shmvec_bench.rollouts.cli import main
 from shmvec_bench.rollouts.policies import make_policy
 from shmvec_bench.rollouts.records import RunContext
 from shmvec_bench.rollouts.runner import measure, median_row
-from shmvec_bench.rollouts.workloads import WORKLOADS, clip_text, make_env, text_space
+from shmvec_bench.rollouts.workloads import WORKLOADS, make_env
 
 NUM_ENVS, GROUP = 8, 4
 HAS_GEM = importlib.util.find_spec("gem") is not None
@@ -72,6 +77,23 @@ def test_a_crashing_runner_is_a_result_with_its_losses():
     assert m.lost_groups >= NUM_ENVS // GROUP
 
 
+def test_a_runner_that_hangs_while_opening_leaves_no_process_behind(monkeypatch):
+    started = []
+
+    class HangsOpening:
+        def __init__(self, ctx):
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            started.append(child)
+            time.sleep(30)  # the deadline interrupts this: the runner is never returned
+
+    monkeypatch.setitem(
+        REGISTRY, "hangs-opening", Backend("hangs-opening", HangsOpening, "test", "nothing")
+    )
+    m = measure("frozenlake", "hangs-opening", num_envs=4, group_size=2, seconds=0.1, timeout=1)
+    assert m.outcome.startswith("hang")
+    assert started[0].wait(timeout=10) == -signal.SIGKILL
+
+
 def test_median_row_takes_each_field_median():
     rows = [
         measure("frozenlake", "ragen-serial", num_envs=4, group_size=2, seconds=0.05, seed=s)
@@ -104,8 +126,30 @@ def test_text_envs_replay_from_their_seed(workload):
     together = play([make_env(workload, 0), make_env(workload, 1)], seed=7)
     alone = play([make_env(workload, 2)], seed=7)
     assert together[0] == together[1] == alone[0]
-    space = text_space(10)
-    assert space.contains(clip_text("ab\u2603", 10)) and clip_text("abcdef", 3) == "def"
+    env = make_env(workload)
+    assert isinstance(env.observation_space, UnboundedText)
+    assert isinstance(env.action_space, UnboundedText)
+
+
+@needs_gem
+def test_gem_games_can_be_made_in_many_threads_at_once():
+    # A fresh process, so that the first import of the game happens in the threads.
+    code = (
+        "import threading\n"
+        "from shmvec_bench.rollouts.workloads import make_env\n"
+        "made, errors = [], []\n"
+        "def make(i):\n"
+        "    try:\n"
+        "        made.append(make_env('guess', i).reset(seed=i)[0])\n"
+        "    except Exception as error:\n"
+        "        errors.append(repr(error))\n"
+        "threads = [threading.Thread(target=make, args=(i,)) for i in range(16)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "assert not errors and len(made) == 16, errors\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_cli_writes_table_csv_and_plot(tmp_path, capsys):

@@ -198,6 +198,16 @@ def test_gem_rewards_become_floats_and_text_rewards_are_rejected(scripted):
     assert plain.step("go") == ("turn 1", 0.0, True, False, {"k": 1})
 
 
+def test_gem_env_made_by_a_callable_needs_no_registry():
+    # A game class or a partial of it: made as it is, its draws swapped like any other.
+    import functools
+
+    env = GemEnv(functools.partial(ScriptedGame, rewards=[1.0]), observations=["won"])
+    assert env.env_id == "ScriptedGame" and repr(env) == "GemEnv('ScriptedGame')"
+    assert env.reset(seed=3) == ("start\nboard", {})
+    assert env.step("go") == ("won", 1.0, True, False, {"k": 1})
+
+
 def test_gem_text_checks(scripted):
     env = GemEnv(scripted, rewards=[0.0] * 3, observations=["ok ♠", "a ♞ b", "x" * 90_000])
     env.reset()

@@ -1,8 +1,8 @@
 """The rollout benchmark: complete groups of trajectories, against the runners agent
 trainers use.
 
-- ``workloads``: text-game envs (gem-llm games, FrozenLake as text) and their costs
-  (CPU, tool waits, faults); ``text_space`` is the one Text space.
+- ``workloads``: ``shmvec.text_envs``'s text games (gem-llm games, FrozenLake as
+  text) plus each workload's costs (CPU, tool waits, faults, stragglers).
 - ``policies``: P2 a GPU decode batch's latency model, P1 a tiny torch GRU.
 - ``backends``: one runner per module, each citing the framework file it mirrors;
   ``shmvec`` (the rollout layer) and ``shmvec-loop`` (a bare send/recv loop).

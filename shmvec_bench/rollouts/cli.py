@@ -72,6 +72,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="shmvec's rows per policy call (default: a quarter of the envs)",
     )  # fmt: skip
     parser.add_argument(
+        "--num-workers", type=int, default=None, metavar="N",
+        help="shmvec's worker processes (default: one per core)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--env-concurrency", type=int, default=None, metavar="N",
+        help="shmvec's env threads per worker (default: every env of a block for "
+        "workloads that wait, 1 for those that compute)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ring-depth", type=int, default=None, metavar="N",
+        help="shmvec's result slots (default: the vector env's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-lag", type=int, default=1, metavar="L",
+        help="the rollout layer's lag bound in policy versions; the trainer sets the next "
+        "version after every batch; -1: unbounded (default: 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--layer-policy", choices=("batched", "rows"), default="batched",
+        help="how the rollout layer calls the policy: batched (a callable on every row that "
+        "waits) or rows (an AsyncPolicy per row over a batching server) (default: batched)",
+    )  # fmt: skip
+    parser.add_argument(
         "--seconds", type=float, default=10.0, metavar="S",
         help="timed window per run, at least one get_batch (default: 10)",
     )  # fmt: skip
@@ -111,7 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     m = measure(
                         workload, backend, policy, num_envs=args.num_envs,
                         group_size=args.group_size, seconds=args.seconds, timeout=args.timeout,
-                        seed=repeat, batch_size=args.batch_size,
+                        seed=repeat, batch_size=args.batch_size, num_workers=args.num_workers,
+                        env_concurrency=args.env_concurrency, ring_depth=args.ring_depth,
+                        max_lag=None if args.max_lag < 0 else args.max_lag,
+                        policy_mode=args.layer_policy,
                     )  # fmt: skip
                     rows.append(m)
                     print(
@@ -137,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print()
     print(markdown_table(medians))
+    for backend, config in dict.fromkeys((m.backend, m.config) for m in medians if m.config):
+        print(f"\n{backend}: {config}")
     written = ["rollouts.csv"] + (["rollouts.png"] if plotted else [])
     print(
         f"\n{len(runs)} runs in {time.perf_counter() - started:.0f} s; "

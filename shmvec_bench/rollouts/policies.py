@@ -12,6 +12,10 @@
   ``GRU_NEW_BYTES`` bytes per row, greedily, in one batch, on one thread
   (``torch.set_num_threads(1)``). Needs torch; it is skipped where torch is missing.
 
+``Batcher`` serves a policy to callers that ask row by row: a thread that runs it on
+every request pending whenever it is free, as an inference server's continuous
+batching does.
+
 Both choose each row's action from the workload's vocabulary (the model's bytes, or
 the seeded generator, pick the entry) so that every action parses. Each call is timed
 (``PolicyClock``): the benchmark's policy idle share is the share of the rollout's wall
@@ -28,6 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -132,6 +137,59 @@ class GRUPolicy:
             codes = torch.stack(generated, 1).sum(1).numpy()
             self.clock.add(time.perf_counter() - start, len(observations))
         return [self.actions[int(c) % len(self.actions)] for c in codes]
+
+
+class Stopped(Exception):
+    """The runner is closing: an env loop's policy request is refused."""
+
+
+class Batcher:
+    """A thread that runs the policy on every request pending when it is free."""
+
+    def __init__(self, policy) -> None:
+        self.policy = policy
+        self._cond = threading.Condition()
+        self._pending: list[tuple[str, Future]] = []
+        self._stop = False
+        self.thread = threading.Thread(target=self._serve, name="batcher", daemon=True)
+        self.thread.start()
+
+    def submit(self, observation: str) -> Future:
+        """The future of ``observation``'s action."""
+        future: Future = Future()
+        with self._cond:
+            if self._stop:
+                raise Stopped("the batcher is closed")
+            self._pending.append((observation, future))
+            self._cond.notify()
+        return future
+
+    def ask(self, observation: str) -> str:
+        return self.submit(observation).result()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    for _, future in self._pending:
+                        future.set_exception(Stopped("the batcher is closed"))
+                    return
+                batch, self._pending = self._pending, []
+            try:
+                actions = self.policy([obs for obs, _ in batch])
+            except BaseException as exc:  # every caller hears of it
+                for _, future in batch:
+                    future.set_exception(exc)
+                continue
+            for (_, future), action in zip(batch, actions):
+                future.set_result(action)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
 
 
 def make_policy(name: str, actions: Sequence[str], seed: int = 0):

@@ -62,6 +62,18 @@ class RunContext:
     batch_size: int | None = None
     #: shmvec's worker processes (None: one per core).
     num_workers: int | None = None
+    #: shmvec's env threads per worker (None: every env of a block for a workload that
+    #: waits, one for one that computes).
+    env_concurrency: int | None = None
+    #: shmvec's result slots (None: the vector env's default).
+    ring_depth: int | None = None
+    #: The layer's lag bound (``Rollouts(max_lag=...)``); the benchmark's trainer bumps
+    #: the policy version after every batch. None: unbounded.
+    max_lag: int | None = 1
+    #: How the layer calls the policy: ``"batched"`` (a batched callable, in the loop's
+    #: thread) or ``"rows"`` (an ``AsyncPolicy`` per row over a ``Batcher``, as an
+    #: inference server batches requests).
+    policy_mode: str = "batched"
     #: multiprocessing start method for process-based backends.
     context: str = "forkserver"
     stream: TaskStream = field(default=None)  # type: ignore[assignment]

@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
@@ -36,7 +37,7 @@ from shmvec_bench.rollouts.backends import REGISTRY
 from shmvec_bench.rollouts.policies import make_policy
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TaskStream
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, WORKLOADS, is_straggler
-from shmvec_bench.rss import tree_cpu_s, tree_pss_mib
+from shmvec_bench.rss import descendants, tree_cpu_s, tree_pss_mib
 from shmvec_bench.runner import MeasurementTimeout, deadline
 
 
@@ -80,6 +81,8 @@ class RolloutMeasurement:
     kills: int = 0
     #: The backend's own accounting (shmvec: ``Rollouts.stats()``), one line.
     accounting: str = ""
+    #: The backend's settings, where it has any (shmvec: the vector env's and the layer's).
+    config: str = ""
     #: Measurements this row is the median of.
     runs: int = 1
 
@@ -126,6 +129,10 @@ def measure(
     seed: int = 0,
     batch_size: int | None = None,
     num_workers: int | None = None,
+    env_concurrency: int | None = None,
+    ring_depth: int | None = None,
+    max_lag: int | None = 1,
+    policy_mode: str = "batched",
     context: str = "forkserver",
 ) -> RolloutMeasurement:
     """Opens ``backend``, times ``get_batch`` for ``seconds``, closes it (see the module)."""
@@ -138,15 +145,19 @@ def measure(
     stream = TaskStream(seed)
     ctx = RunContext(
         workload, num_envs, group_size, num_envs // group_size, pol, seed,
-        batch_size=batch_size, num_workers=num_workers, context=context, stream=stream,
+        batch_size=batch_size, num_workers=num_workers, env_concurrency=env_concurrency,
+        ring_depth=ring_depth, max_lag=max_lag, policy_mode=policy_mode, context=context,
+        stream=stream,
     )  # fmt: skip
     runner = killer = None
+    processes_before = set(descendants(os.getpid()))
     groups: list[GroupRecord] = []
     latencies: list[float] = []
     failed = False
     try:
         with deadline(timeout):
             runner = entry.open(ctx)
+            row.config = getattr(runner, "config", "")
             if spec.kill_every_s:
                 killer = Killer(runner.env_pids, spec.kill_every_s, seed)
             if not entry.lockstep:
@@ -199,6 +210,10 @@ def measure(
             RELEASE_HANGS.set()
             with deadline(30.0):
                 runner.close(terminate=failed)
+        if failed:
+            # A backend that hung or crashed while opening left its processes behind
+            # (nothing holds it to close): they would count in the next runs' PSS and CPU.
+            _kill_new_processes(processes_before)
     row.batches, row.groups = len(latencies), len(groups)
     if row.seconds:
         row.groups_per_s = row.groups / row.seconds
@@ -212,6 +227,16 @@ def measure(
     if groups:
         row.straggler_trained_share = sum(is_straggler(g.seed) for g in groups) / len(groups)
     return row
+
+
+def _kill_new_processes(before: set[int]) -> None:
+    """SIGKILLs the processes below this one that were not there before the run."""
+    for pid in set(descendants(os.getpid())) - before:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    multiprocessing.active_children()  # reaps those that were this process's children
 
 
 def _accounting(stats: dict) -> str:
@@ -249,5 +274,6 @@ def median_row(rows: Sequence[RolloutMeasurement]) -> RolloutMeasurement:
     bad = [r for r in rows if r.outcome != "ok"]
     merged.outcome = bad[0].outcome if bad else "ok"
     merged.accounting = (bad[0] if bad else first).accounting
+    merged.config = first.config
     merged.runs = len(rows)
     return merged

@@ -15,60 +15,11 @@ async mode). An env's exception ends the rollout (no try/except around ``step``)
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
 
 from shmvec_bench.rollouts.backends.base import register
+from shmvec_bench.rollouts.policies import Batcher, Stopped
 from shmvec_bench.rollouts.records import GroupAssembler, RunContext, TrajRecord, now
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, make_env
-
-
-class Stopped(Exception):
-    """The runner is closing: an env loop's policy request is refused."""
-
-
-class Batcher:
-    """A thread that runs the policy on every request pending when it is free."""
-
-    def __init__(self, policy) -> None:
-        self.policy = policy
-        self._cond = threading.Condition()
-        self._pending: list[tuple[str, Future]] = []
-        self._stop = False
-        self.thread = threading.Thread(target=self._serve, name="batcher", daemon=True)
-        self.thread.start()
-
-    def ask(self, observation: str) -> str:
-        future: Future = Future()
-        with self._cond:
-            if self._stop:
-                raise Stopped("the batcher is closed")
-            self._pending.append((observation, future))
-            self._cond.notify()
-        return future.result()
-
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._stop:
-                    self._cond.wait()
-                if self._stop:
-                    for _, future in self._pending:
-                        future.set_exception(Stopped("the batcher is closed"))
-                    return
-                batch, self._pending = self._pending, []
-            try:
-                actions = self.policy([obs for obs, _ in batch])
-            except BaseException as exc:  # every caller hears of it
-                for _, future in batch:
-                    future.set_exception(exc)
-                continue
-            for (_, future), action in zip(batch, actions):
-                future.set_result(action)
-
-    def close(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
 
 
 class RollThreads:

@@ -16,20 +16,32 @@ def async_batch(ctx: RunContext) -> int:
 
 
 def open_envs(ctx: RunContext, autoreset_mode: str = "NextStep") -> shmvec.ShmVectorEnv:
+    """The vector env as ``docs/guides/rollouts.md`` sets it up, with the context's knobs."""
     spec = WORKLOADS[ctx.workload]
+    # Envs that wait on tools: every env of a block at once; envs that compute: one.
+    concurrency = ctx.env_concurrency or (ctx.num_envs if spec.waits else None)
+    extra = {} if ctx.ring_depth is None else {"ring_depth": ctx.ring_depth}
     return shmvec.ShmVectorEnv(
         env_fns(ctx.workload, ctx.num_envs),
         context=ctx.context,
         num_workers=ctx.num_workers,
         batch_size=async_batch(ctx),
-        # Envs that wait on tools: every env of a block at once; envs that compute: one.
-        env_concurrency=ctx.num_envs if spec.waits else None,
+        env_concurrency=concurrency,
         on_env_error="reset",
         on_worker_death="restart",
         env_timeout=HANG_TIMEOUT_S if spec.hang_p else None,
         autoreset_mode=autoreset_mode,
+        **extra,
     )
 
 
 def worker_pids(envs: shmvec.ShmVectorEnv) -> list[int]:
     return [p.pid for p in envs._pool.workers if p.is_alive()]
+
+
+def describe(envs: shmvec.ShmVectorEnv) -> str:
+    """The vector env's settings that the benchmark varies, one line."""
+    return (
+        f"batch_size={envs.batch_size} env_concurrency={envs.env_concurrency} "
+        f"num_workers={envs.num_workers} ring_depth={envs.ring_depth}"
+    )

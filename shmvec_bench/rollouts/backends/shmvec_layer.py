@@ -2,17 +2,22 @@
 
 Tasks flow in from the benchmark's task stream (``Rollouts(..., tasks=...)``);
 ``get_batch(n)`` hands over complete groups while the envs keep stepping
-(``mode="async"``); failed trajectories are retried (``max_retries=2``) and the
-rest accounted for in ``stats()``. Straggling tasks carry the label
-``"straggler"`` so that ``stats()["label_share"]`` compares their share of
-delivered groups with their share of launched ones.
+(``mode="async"``), each within ``max_lag`` policy versions (the benchmark's trainer
+sets the next version after every batch, as after an update); failed trajectories
+are retried (``max_retries=2``) and the rest accounted for in ``stats()``.
+Straggling tasks carry the label ``"straggler"`` so that
+``stats()["label_share"]`` compares their share of delivered groups with their
+share of launched ones.
 """
 
 from __future__ import annotations
 
-from shmvec.rollouts import Rollouts, Status, Task
+import asyncio
+
+from shmvec.rollouts import AsyncPolicy, Rollouts, Status, Task
 from shmvec_bench.rollouts.backends.base import register
-from shmvec_bench.rollouts.backends.shmvec_common import open_envs, worker_pids
+from shmvec_bench.rollouts.backends.shmvec_common import describe, open_envs, worker_pids
+from shmvec_bench.rollouts.policies import Batcher
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TrajRecord
 from shmvec_bench.rollouts.workloads import is_straggler
 
@@ -39,24 +44,39 @@ class ShmvecLayer:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self.envs = open_envs(ctx)
+        self.batcher = None
         policy = ctx.policy
+        if ctx.policy_mode == "rows":
+            self.batcher = batcher = Batcher(policy)
 
-        def batched(batch):
-            return list(policy(list(batch.observations)))
+            async def ask(row):
+                return await asyncio.wrap_future(batcher.submit(row.observation))
 
+            layer_policy = AsyncPolicy(ask, concurrency=ctx.num_envs)
+        elif ctx.policy_mode == "batched":
+
+            def layer_policy(batch):
+                return list(policy(list(batch.observations)))
+
+        else:
+            raise ValueError(f"policy_mode must be 'batched' or 'rows', got {ctx.policy_mode!r}")
         try:
             self.rollouts = Rollouts(
                 self.envs,
-                batched,
+                layer_policy,
                 group_size=ctx.group_size,
                 tasks=task_source(ctx),
                 mode="async",
                 groups_per_batch=ctx.groups_per_batch,
+                max_lag=ctx.max_lag,
                 max_retries=2,
             )
         except BaseException:
             self.envs.close(terminate=True)
+            if self.batcher is not None:
+                self.batcher.close()
             raise
+        self.config = describe(self.envs) + f" max_lag={ctx.max_lag} policy={ctx.policy_mode}"
 
     @property
     def env_steps(self) -> int:
@@ -64,6 +84,8 @@ class ShmvecLayer:
 
     def get_batch(self):
         groups = self.rollouts.get_batch(self.ctx.groups_per_batch)
+        # The trainer's update after each batch: later actions carry the next version.
+        self.rollouts.set_version(self.rollouts.version + 1)
         base = self.ctx.stream.base_seed
         return [
             GroupRecord(
@@ -101,3 +123,5 @@ class ShmvecLayer:
             self.rollouts.close()
         finally:
             self.envs.close(terminate=terminate)
+            if self.batcher is not None:
+                self.batcher.close()

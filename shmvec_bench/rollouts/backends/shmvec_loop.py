@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from shmvec_bench.rollouts.backends.base import register
-from shmvec_bench.rollouts.backends.shmvec_common import open_envs, worker_pids
+from shmvec_bench.rollouts.backends.shmvec_common import describe, open_envs, worker_pids
 from shmvec_bench.rollouts.records import GroupAssembler, RunContext, TrajRecord, now
 
 FAILURES = ("env_error", "worker_restarted")
@@ -37,6 +37,7 @@ class ShmvecLoop:
         self.reward = np.zeros(n)
         self.expect_reset = np.ones(n, dtype=bool)
         self.env_steps = 0
+        self.config = describe(self.envs)
         self.envs.async_reset(seed=[s for _, s, _ in self.slot])
 
     def _turn(self) -> None:
