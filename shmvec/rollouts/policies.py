@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shmvec.rollouts.records import PolicyError, PolicyRow, RowOutput
+from shmvec.rollouts.records import PolicyError, PolicyOutput, PolicyRow, RowOutput
 
 
 class AsyncPolicy:
@@ -99,14 +99,23 @@ class AsyncPolicyRunner:
         return taken
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """Cancels the calls still in flight and stops the event loop."""
+
+        def stop() -> None:
+            for task in asyncio.all_tasks(self.loop):
+                task.cancel()
+            self.loop.stop()
+
+        self.loop.call_soon_threadsafe(stop)
         self.thread.join(timeout=5)
+        if not self.thread.is_alive():
+            # let the cancelled calls unwind, so that none is destroyed while pending
+            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.close()
 
 
 def split_batch_output(output: Any, rows: int, env_ids: list[int]) -> tuple[Any, list[Any]]:
     """A batched policy's answer as (actions, extras), checked for its length."""
-    from shmvec.rollouts.records import PolicyOutput
-
     actions, extras = (
         (output.actions, output.extras)
         if isinstance(output, PolicyOutput)

@@ -251,14 +251,17 @@ class Rollouts:
         ``env_concurrency`` has no default: how many envs a worker steps at once
         is the one choice the envs' nature decides (envs that wait on tools:
         every env of a block, ``len(env_fns)``; envs that compute: ``1``).
-        ``batch_size`` defaults to a quarter of the envs. ``close()`` closes the
-        vector env too.
+        ``batch_size`` defaults to a sixteenth of the envs: the loop receives
+        every batch that is ready before it asks the policy, so small batches
+        let it take what is ready sooner (256 envs waiting on tools, groups/s
+        +5% and ``get_batch`` p99 -30% against a quarter; docs: performance).
+        ``close()`` closes the vector env too.
         """
         from shmvec.vector_env import ShmVectorEnv
 
         envs = ShmVectorEnv(
             env_fns,
-            batch_size=batch_size or max(1, len(env_fns) // 4),
+            batch_size=batch_size or max(1, len(env_fns) // 16),
             env_concurrency=env_concurrency,
             on_env_error="reset",
             on_worker_death="restart",
