@@ -69,7 +69,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=8, metavar="G", help="default: 8")
     parser.add_argument(
         "--batch-size", type=int, default=None, metavar="N",
-        help="shmvec's rows per policy call (default: a quarter of the envs)",
+        help="shmvec's rows per policy call (default: a sixteenth of the envs)",
     )  # fmt: skip
     parser.add_argument(
         "--num-workers", type=int, default=None, metavar="N",

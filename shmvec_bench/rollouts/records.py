@@ -58,7 +58,7 @@ class RunContext:
     #: The policy: ``policy(list[str]) -> list[str]``, with a ``clock``.
     policy: object
     seed: int = 0
-    #: shmvec's async batch (rows per policy call); None: its rule (a quarter of the envs).
+    #: shmvec's async batch (rows per policy call); None: its rule (a sixteenth of the envs).
     batch_size: int | None = None
     #: shmvec's worker processes (None: one per core).
     num_workers: int | None = None

@@ -6,13 +6,17 @@ import shmvec
 from shmvec_bench.rollouts.records import RunContext
 from shmvec_bench.rollouts.workloads import WORKLOADS, env_fns
 
-#: ``env_timeout`` where steps may hang (W4): a step blocked this long is killed.
+#: ``step_deadline`` where steps may hang (W4): a step past it ends as truncated and its
+#: env is replaced; ``env_timeout`` (a worker stuck in code the deadline cannot end is
+#: killed and restarted) is set above it, as docs/guides/reliability.md advises.
 HANG_TIMEOUT_S = 2.0
+ENV_TIMEOUT_S = 5 * HANG_TIMEOUT_S
 
 
 def async_batch(ctx: RunContext) -> int:
-    """Rows per policy call: ``ctx.batch_size``, or a quarter of the envs (the layer's rule)."""
-    return ctx.batch_size or max(1, ctx.num_envs // 4)
+    """Rows per policy call: ``ctx.batch_size``, or a sixteenth of the envs (the layer's rule,
+    ``Rollouts.from_env_fns``)."""
+    return ctx.batch_size or max(1, ctx.num_envs // 16)
 
 
 def open_envs(ctx: RunContext, autoreset_mode: str = "NextStep") -> shmvec.ShmVectorEnv:
@@ -29,7 +33,8 @@ def open_envs(ctx: RunContext, autoreset_mode: str = "NextStep") -> shmvec.ShmVe
         env_concurrency=concurrency,
         on_env_error="reset",
         on_worker_death="restart",
-        env_timeout=HANG_TIMEOUT_S if spec.hang_p else None,
+        step_deadline=HANG_TIMEOUT_S if spec.hang_p else None,
+        env_timeout=ENV_TIMEOUT_S if spec.hang_p else None,
         autoreset_mode=autoreset_mode,
         **extra,
     )
