@@ -531,6 +531,21 @@ def test_on_env_error_reset_in_async_mode():
         envs.close()
 
 
+def assert_resets_take_their_seeds(envs: ShmVectorEnv) -> None:
+    """Two rounds of resets of every (idle) env of ``envs``, each with its own seed:
+    every reset observation is TaskEnv's for that seed."""
+    alone = TaskEnv()
+    for seed in (100, 200):
+        envs.async_reset(
+            seed=[seed + e for e in range(envs.num_envs)], env_ids=np.arange(envs.num_envs)
+        )
+        for _ in range(envs.num_envs // envs.batch_size):
+            obs, _, _, _, infos = envs.recv()
+            for row, e in enumerate(infos["env_id"].tolist()):
+                expected, _ = alone.reset(seed=seed + e)
+                assert np.array_equal(obs[row], expected), (seed, e)
+
+
 def test_async_resets_after_a_restart_get_their_own_seeds():
     """A replacement gets the reset arguments of the envs whose command is a
     reset, and no earlier ones: every later reset of its envs starts from the
@@ -540,7 +555,6 @@ def test_async_resets_after_a_restart_get_their_own_seeds():
     envs = ShmVectorEnv(
         [slow] * 4, num_workers=2, batch_size=2, on_worker_death="restart", env_concurrency=2
     )
-    alone = TaskEnv()
     try:
         envs.async_reset(seed=list(range(4)))
         results = dict.fromkeys(range(4), 0)
@@ -552,13 +566,7 @@ def test_async_resets_after_a_restart_get_their_own_seeds():
         os.kill(envs._pool.workers[1].pid, signal.SIGKILL)  # in a 50 ms step, or about to be
         idle = [e for _ in range(2) for e in envs.recv()[4]["env_id"].tolist()]
         assert sorted(idle) == [0, 1, 2, 3]
-        for seed in (100, 200):
-            envs.async_reset(seed=[seed + e for e in range(4)], env_ids=np.arange(4))
-            for _ in range(2):
-                obs, _, _, _, infos = envs.recv()
-                for row, e in enumerate(infos["env_id"].tolist()):
-                    expected, _ = alone.reset(seed=seed + e)
-                    assert np.array_equal(obs[row], expected), (seed, e)
+        assert_resets_take_their_seeds(envs)
     finally:
         envs.close()
 
@@ -571,20 +579,13 @@ def test_restarted_env_threads_each_read_their_own_reset(trial):
         [TaskEnv] * 16, num_workers=2, batch_size=4, on_worker_death="restart",
         env_concurrency=8,
     )  # fmt: skip
-    alone = TaskEnv()
     try:
         envs.async_reset(seed=list(range(16)))
         for _ in range(4):
             envs.recv()  # every env idle
         os.kill(envs._pool.workers[1].pid, signal.SIGKILL)
         envs._pool.workers[1].join(5)
-        for seed in (100, 200):
-            envs.async_reset(seed=[seed + e for e in range(16)])
-            for _ in range(4):
-                obs, _, _, _, infos = envs.recv()
-                for row, e in enumerate(infos["env_id"].tolist()):
-                    expected, _ = alone.reset(seed=seed + e)
-                    assert np.array_equal(obs[row], expected), (seed, e)
+        assert_resets_take_their_seeds(envs)
     finally:
         envs.close()
 
