@@ -149,11 +149,16 @@ def test_async_reset_past_the_deadline(tmp_path):
         envs.async_reset(seed=0, options={"hang": False})
         first = envs.recv()[4]["env_id"]
         envs.recv()
-        envs.async_reset(seed=1, env_ids=first, options={"hang": True})
+        # One env hangs, whichever worker runs each (the marker alone would race
+        # between two workers' processes).
+        hanging = int(first[0])
+        options = [{"hang": e == hanging} for e in range(4)]
+        envs.async_reset(seed=1, env_ids=first, options=options)
         obs, _, terminations, truncations, infos = envs.recv(timeout=DEADLINE + MARGIN_S)
         hung = infos["_step_deadline"]
         assert hung.sum() == 1 and truncations[hung].all() and not terminations.any()
         assert set(infos["env_id"].tolist()) == set(first.tolist())
+        assert infos["env_id"][hung].tolist() == [hanging]
         envs.async_reset(seed=2, env_ids=infos["env_id"][hung])
         envs.send(np.zeros(1, np.int64), infos["env_id"][~hung])
         _, _, _, _, infos = envs.recv(timeout=MARGIN_S)
