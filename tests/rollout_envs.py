@@ -77,6 +77,20 @@ class GlobalRandomEnv(TaskEnv):
         return obs, reward + random.random(), terminated, truncated, info
 
 
+class GatedResetEnv(TaskEnv):
+    """Its reset returns only once the file ``gate`` exists (60 s at most)."""
+
+    def __init__(self, gate: str) -> None:
+        super().__init__()
+        self.gate = gate
+
+    def reset(self, *, seed=None, options=None):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return super().reset(seed=seed, options=options)
+
+
 def obs_policy(batch):
     """A deterministic batched policy: the action from the observation."""
     return (np.abs(batch.observations[:, 1] * 10).astype(np.int64)) % 3

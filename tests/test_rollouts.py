@@ -8,12 +8,13 @@ import asyncio
 import functools
 import os
 import signal
+import threading
 import time
 
 import gymnasium as gym
 import numpy as np
 import pytest
-from rollout_envs import GlobalRandomEnv, TaskEnv, obs_policy
+from rollout_envs import GatedResetEnv, GlobalRandomEnv, TaskEnv, obs_policy
 
 import shmvec
 from shmvec.rollouts import (
@@ -265,6 +266,42 @@ def test_extras_and_versions_are_carried():
             assert traj.versions == [7] * traj.num_steps
             assert [e["logprob"] for e in traj.extras] == [-1.0 * a for a in traj.actions]
     finally:
+        envs.close()
+
+
+def test_the_loop_receives_while_the_batched_policy_runs(tmp_path):
+    """While a batched call runs, the loop goes on receiving; the next call
+    takes every row that came in meanwhile, in one batch."""
+    gate = tmp_path / "gate"  # env 7 resets only once the first call has begun
+    calls, release = [], threading.Event()
+
+    def policy(batch):
+        calls.append(sorted(batch.env_ids.tolist()))
+        if len(calls) == 1:
+            gate.touch()
+            assert release.wait(60), "the test never released the first call"
+        return obs_policy(batch)
+
+    fns = [TaskEnv] * 7 + [functools.partial(GatedResetEnv, str(gate))]
+    envs = shmvec.ShmVectorEnv(
+        fns, num_workers=2, batch_size=2, on_env_error="reset", on_worker_death="restart"
+    )
+    try:
+        with Rollouts(envs, policy, group_size=8, max_steps=1) as rollouts:
+            rollouts.submit(seeds=[5])
+            deadline = time.monotonic() + 60
+            while rollouts.stats()["awaiting_policy"] < 8:  # the first call's rows and the rest
+                assert time.monotonic() < deadline, rollouts.stats()
+                time.sleep(0.01)
+            release.set()
+            (group,) = rollouts.get_batch(1)
+            stats = rollouts.stats()
+        assert 7 not in calls[0]
+        assert calls[1:] == [sorted(set(range(8)) - set(calls[0]))]
+        assert stats["policy_calls"] == 2 and stats["awaiting_policy"] == 0
+        check_group(group, 8, fns[0])
+    finally:
+        release.set()
         envs.close()
 
 

@@ -1,12 +1,16 @@
-"""The two kinds of policy the rollout loop drives.
+"""The two kinds of policy the rollout loop drives, each in a thread of its own.
 
 A *batched* policy is a callable in the trainer's process (a torch model, a
-local generator): the loop calls it with every row that awaits an action in
-the batch it received, and sends the answers. A *per-row* policy is a
-coroutine function (a call to an inference service such as a vLLM or SGLang
-server): the loop issues one call per row as soon as the row is ready, up to
-``concurrency`` calls at once, on an event loop in a thread of its own, and
-sends each answer as it comes; no row waits for another.
+local generator): whenever it is free, it is called with every row that has
+come to await an action since its last call began, as an inference server's
+continuous batching does, while the loop goes on receiving and recording. A
+*per-row* policy is a coroutine function (a call to an inference service such
+as a vLLM or SGLang server): the loop issues one call per row as soon as the
+row is ready, up to ``concurrency`` calls at once, on an event loop in a
+thread of its own, and sends each answer as it comes; no row waits for another.
+
+Both runners take rows with ``submit``, hand back :class:`RowAnswer` s with
+``take`` (the loop sends them), and count the time the policy was running.
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shmvec.rollouts.records import PolicyError, PolicyOutput, PolicyRow, RowOutput
+import numpy as np
+
+from shmvec.rollouts.records import (
+    PolicyBatch,
+    PolicyError,
+    PolicyOutput,
+    PolicyRow,
+    RowOutput,
+)
+from shmvec.rollouts.rows import join_batches, rows_of
 
 
 class AsyncPolicy:
@@ -43,7 +56,8 @@ class AsyncPolicy:
 
 @dataclass
 class RowAnswer:
-    """One per-row call's outcome, handed back to the rollout loop."""
+    """One row's answer (or the error of the call that was to answer it),
+    handed back to the rollout loop."""
 
     key: Any  # the loop's handle on the row (its attempt)
     output: Any = None
@@ -52,18 +66,73 @@ class RowAnswer:
     ended_s: float = 0.0
 
 
-class AsyncPolicyRunner:
+class BusyClock:
+    """Seconds during which at least one policy call ran (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._since = 0.0
+        self._busy_s = 0.0
+
+    def start(self) -> None:
+        with self._lock:
+            if not self._running:
+                self._since = time.monotonic()
+            self._running += 1
+
+    def stop(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if not self._running:
+                self._busy_s += time.monotonic() - self._since
+
+    def busy_s(self) -> float:
+        with self._lock:
+            running = time.monotonic() - self._since if self._running else 0.0
+            return self._busy_s + running
+
+
+class PolicyRunner:
+    """What both runners share: answers handed back, and the busy clock."""
+
+    def __init__(self, version: Callable[[], int], on_answer: Callable[[], None]) -> None:
+        self.version, self.on_answer = version, on_answer
+        self.answers: deque[RowAnswer] = deque()
+        self.outstanding = 0  # rows submitted, not yet taken
+        self.calls = 0
+        self.clock = BusyClock()
+
+    def submit(self, rows: list[PolicyRow], observations: Any) -> None:
+        """Hands over rows that await an action (``observations``: theirs, batched)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def take(self) -> list[RowAnswer]:
+        """The answers that have come in since the last ``take``."""
+        taken = []
+        while self.answers:
+            taken.append(self.answers.popleft())
+        self.outstanding -= len(taken)
+        return taken
+
+
+class AsyncPolicyRunner(PolicyRunner):
     """Runs an :class:`AsyncPolicy` on an event loop in its own thread.
 
-    ``submit`` may be called from the rollout loop's thread; ``take`` returns
-    the answers that have come in; ``on_answer`` is called (from the event
-    loop's thread) after each answer, to wake the rollout loop.
+    ``submit`` may be called from the rollout loop's thread; each call's row is
+    stamped with the policy version at its start (``version()``);
+    ``on_answer`` is called (from the event loop's thread) after each answer,
+    to wake the rollout loop. The policy is busy while at least one call runs.
     """
 
-    def __init__(self, policy: AsyncPolicy, on_answer: Callable[[], None]) -> None:
-        self.policy, self.on_answer = policy, on_answer
-        self.answers: deque[RowAnswer] = deque()
-        self.outstanding = 0  # submitted, not yet taken
+    def __init__(
+        self, policy: AsyncPolicy, version: Callable[[], int], on_answer: Callable[[], None]
+    ) -> None:
+        super().__init__(version, on_answer)
+        self.policy = policy
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, name="shmvec-policy", daemon=True)
         self.ready = threading.Event()
@@ -76,27 +145,33 @@ class AsyncPolicyRunner:
         self.loop.call_soon(self.ready.set)
         self.loop.run_forever()
 
-    def submit(self, key: Any, row: PolicyRow) -> None:
-        self.outstanding += 1
-        asyncio.run_coroutine_threadsafe(self._call(key, row), self.loop)
+    def submit(self, rows: list[PolicyRow], observations: Any) -> None:
+        """Issues one call per row (``observations``, their batch, is not used)."""
+        self.outstanding += len(rows)
+        for row in rows:
+            asyncio.run_coroutine_threadsafe(self._call(row), self.loop)
 
-    async def _call(self, key: Any, row: PolicyRow) -> None:
+    async def _call(self, row: PolicyRow) -> None:
         async with self.limit:
-            answer = RowAnswer(key, started_s=time.monotonic())
+            self.clock.start()
+            answer = RowAnswer((row.trajectory, self.version()), started_s=time.monotonic())
             try:
                 answer.output = await self.policy.fn(row)
             except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
-                answer.error = error
+                answer.error = PolicyError(
+                    f"the policy raised {error!r} for the row of env {row.env_id}"
+                )
+                answer.error.__cause__ = error
+            else:
+                if split_row_output(answer.output)[0] is None:
+                    answer.error = PolicyError(
+                        f"the policy answered None for the row of env {row.env_id}"
+                    )
             answer.ended_s = time.monotonic()
+            self.clock.stop()
+        self.calls += 1
         self.answers.append(answer)
         self.on_answer()
-
-    def take(self) -> list[RowAnswer]:
-        taken = []
-        while self.answers:
-            taken.append(self.answers.popleft())
-        self.outstanding -= len(taken)
-        return taken
 
     def close(self) -> None:
         """Cancels the calls still in flight and stops the event loop."""
@@ -112,6 +187,84 @@ class AsyncPolicyRunner:
             # let the cancelled calls unwind, so that none is destroyed while pending
             self.loop.run_until_complete(asyncio.sleep(0))
             self.loop.close()
+
+
+class BatchedPolicyRunner(PolicyRunner):
+    """Calls a batched policy in a thread of its own, on every row submitted
+    since its last call began; ``take`` returns the answers of finished calls.
+
+    Each call's rows are stamped with the policy version at the call's start
+    (``version()``); ``on_answer`` is called after each call, to wake the loop.
+    """
+
+    def __init__(
+        self,
+        policy: Callable[[PolicyBatch], Any],
+        version: Callable[[], int],
+        on_answer: Callable[[], None],
+    ) -> None:
+        super().__init__(version, on_answer)
+        self.policy = policy
+        self._cond = threading.Condition()
+        self._pending: list[tuple[list[PolicyRow], Any]] = []
+        self._stopping = False
+        self.thread = threading.Thread(target=self._serve, name="shmvec-policy", daemon=True)
+        self.thread.start()
+
+    def submit(self, rows: list[PolicyRow], observations: Any) -> None:
+        """Queues ``rows`` (``observations``: theirs, batched, owned by the
+        runner from now on) for the next call."""
+        self.outstanding += len(rows)
+        with self._cond:
+            self._pending.append((rows, observations))
+            self._cond.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                parts, self._pending = self._pending, []
+            rows = [row for part, _ in parts for row in part]
+            batch = PolicyBatch(
+                join_batches([observations for _, observations in parts]),
+                [row.trajectory for row in rows],
+                np.array([row.env_id for row in rows], dtype=np.int64),
+            )
+            version = self.version()
+            self.clock.start()
+            started = time.monotonic()
+            outputs, error = self._call(batch)
+            ended = time.monotonic()
+            self.clock.stop()
+            self.calls += 1
+            for row, output in zip(rows, outputs):
+                key = (row.trajectory, version)
+                self.answers.append(RowAnswer(key, output, error, started, ended))
+            self.on_answer()
+
+    def _call(self, batch: PolicyBatch) -> tuple[list[Any], BaseException | None]:
+        """One ``RowOutput`` per row, or Nones and the error naming the rows."""
+        env_ids = batch.env_ids.tolist()
+        try:
+            actions, extras = split_batch_output(self.policy(batch), len(batch), env_ids)
+            per_row = rows_of(actions)
+        except PolicyError as error:
+            return [None] * len(batch), error
+        except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
+            wrapped = PolicyError(f"the policy raised {error!r} for the rows of envs {env_ids}")
+            wrapped.__cause__ = error
+            return [None] * len(batch), wrapped
+        return [RowOutput(a, e) for a, e in zip(per_row, extras)], None
+
+    def close(self) -> None:
+        """Stops the thread once the call in progress, if any, returns."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self.thread.join(timeout=5)
 
 
 def split_batch_output(output: Any, rows: int, env_ids: list[int]) -> tuple[Any, list[Any]]:

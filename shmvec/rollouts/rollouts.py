@@ -35,7 +35,8 @@ from shmvec.rollouts.groups import Decision, GroupPolicy, GroupState, Ledger
 from shmvec.rollouts.policies import (
     AsyncPolicy,
     AsyncPolicyRunner,
-    split_batch_output,
+    BatchedPolicyRunner,
+    PolicyRunner,
     split_row_output,
 )
 from shmvec.rollouts.records import (
@@ -47,6 +48,7 @@ from shmvec.rollouts.records import (
     Task,
     Trajectory,
 )
+from shmvec.rollouts.rows import rows_of, take_rows
 
 #: Infos with which the vector env reports that an env lost its state, and the
 #: failure each one is (``on_env_error="reset"``, ``on_worker_death="restart"``,
@@ -59,42 +61,10 @@ FAILURE_INFOS = {
 }
 #: How long one ``recv`` blocks before the loop looks at its stop flag again.
 RECV_SLICE_S = 0.25
-#: How long ``recv`` blocks while per-row policy answers may come in: an answer
-#: waits at most this long to be sent (small beside an inference call).
+#: How long ``recv`` blocks while policy answers may come in: an answer waits
+#: at most this long to be sent (small beside a policy call).
 POLL_S = 0.002
 STALE_POLICIES = ("wait", "drop", "rerun")
-
-
-def rows_of(batch: Any) -> list[Any]:
-    """A batched value (array, tuple of texts, dict of those) as one value per row."""
-    if isinstance(batch, np.ndarray):
-        return [row.copy() if row.ndim else row for row in batch] if batch.ndim > 1 else list(batch)
-    if isinstance(batch, dict):
-        columns = {key: rows_of(value) for key, value in batch.items()}
-        n = len(next(iter(columns.values()))) if columns else 0
-        return [{key: column[i] for key, column in columns.items()} for i in range(n)]
-    return list(batch)
-
-
-def join_batches(batches: list[Any]) -> Any:
-    """Batched values (of the same space) as one batch, in order."""
-    if len(batches) == 1:
-        return batches[0]
-    first = batches[0]
-    if isinstance(first, np.ndarray):
-        return np.concatenate(batches)
-    if isinstance(first, dict):
-        return {key: join_batches([b[key] for b in batches]) for key in first}
-    return tuple(value for batch in batches for value in batch)
-
-
-def take_rows(batch: Any, rows: list[int]) -> Any:
-    """Rows ``rows`` of a batched value, batched the same way."""
-    if isinstance(batch, np.ndarray):
-        return batch[rows]
-    if isinstance(batch, dict):
-        return {key: take_rows(value, rows) for key, value in batch.items()}
-    return tuple(batch[i] for i in rows)
 
 
 class Rollouts:
@@ -188,9 +158,6 @@ class Rollouts:
             getattr(envs, "env_tags", None) or [None] * self.num_envs
         )
         self._action_space = envs.single_action_space
-        # Batches that are ready are received together only while each stays
-        # valid (copies): views of the ring are reused by later recv()s.
-        self._drains = bool(getattr(envs, "copy", True))
 
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # anything the waiters wait for
@@ -209,7 +176,6 @@ class Rollouts:
             self._free.setdefault(tag, deque()).append(env)
         self._on_env: list[Trajectory | None] = [None] * self.num_envs
         self._busy: set[int] = set()  # envs with a command the engine has not returned
-        self._in_batch: set[int] = set()  # envs whose row a batched policy call holds
         self._expect_reset = np.zeros(self.num_envs, dtype=bool)
         self._sent_s = np.zeros(self.num_envs)
         self._resolved: list[
@@ -217,21 +183,16 @@ class Rollouts:
         ] = []  # failed?, wall s, label, handed over?
         self._labels_launched: dict[Any, int] = {}
         self.steps = 0
-        self.policy_calls = 0
-        self._policy_busy_s = 0.0
-        self._policy_since: float | None = None
         self._active_s = 0.0
         self._tick_s = time.monotonic()
         self._error: BaseException | None = None
         self._stopping = False
 
-        self._runner: AsyncPolicyRunner | None = None
-        self._policy: Callable[[PolicyBatch], Any] | None = None
-        if isinstance(policy, AsyncPolicy):
-            self._runner = AsyncPolicyRunner(policy, self._wake)
-        else:
-            self._policy = policy
-        self._awaiting: dict[int, Trajectory] = {}  # attempt id -> attempt, per-row calls out
+        self._runner: PolicyRunner = (
+            AsyncPolicyRunner(policy, self._policy_version, self._wake)
+            if isinstance(policy, AsyncPolicy)
+            else BatchedPolicyRunner(policy, self._policy_version, self._wake)
+        )
         self._thread = threading.Thread(target=self._run, name="shmvec-rollouts", daemon=True)
         self._thread.start()
 
@@ -417,9 +378,7 @@ class Rollouts:
         """Counts and shares since construction (see the rollouts guide)."""
         with self._changed:
             ledger = self.ledger
-            policy_busy = self._policy_busy_s + (
-                time.monotonic() - self._policy_since if self._policy_since is not None else 0.0
-            )
+            policy_busy = self._runner.clock.busy_s()
             delivered = [r for r in self._resolved if r[3]]
             walls = [r[1] for r in self._resolved]
             slow_cut = float(np.percentile(walls, 90)) if walls else 0.0
@@ -436,7 +395,8 @@ class Rollouts:
                 "groups_dropped": dict(ledger.groups_dropped),
                 "groups_pending": len(self._groups),
                 "steps": self.steps,
-                "policy_calls": self.policy_calls,
+                "policy_calls": self._runner.calls,
+                "awaiting_policy": self._runner.outstanding,
                 "policy_busy_s": policy_busy,
                 "active_s": self._active_s,
                 "policy_idle_share": 1.0 - policy_busy / self._active_s if self._active_s else 0.0,
@@ -464,8 +424,7 @@ class Rollouts:
             self._changed.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
-        if self._runner is not None:
-            self._runner.close()
+        self._runner.close()
         if self._owns_envs and not self.envs.closed:
             self.envs.close(terminate=True)
 
@@ -569,12 +528,7 @@ class Rollouts:
             self.ledger.end(status)
         traj.ended_s = traj.ended_s or now
         env = traj.env_id
-        if (
-            env >= 0
-            and self._on_env[env] is traj
-            and env not in self._busy
-            and env not in self._in_batch
-        ):
+        if env >= 0 and self._on_env[env] is traj and env not in self._busy:
             self._release(env)
 
     def _finish(self, group: GroupState, traj: Trajectory, status: Status, now: float) -> None:
@@ -660,6 +614,9 @@ class Rollouts:
         with self._changed:
             self._changed.notify_all()
 
+    def _policy_version(self) -> int:
+        return self.version
+
     # ---------------------------------------------------------------- the loop
 
     def _run(self) -> None:
@@ -683,8 +640,12 @@ class Rollouts:
             self._launch_groups(now)
             starts = self._assign(now)
             answers = self._take_answers(now)
+            # Busy from now on, so that an attempt failed meanwhile (set_version)
+            # leaves its env to the result's arrival instead of freeing it.
+            self._busy.update(env for env, _ in starts)
+            self._busy.update(env for env, _ in answers)
             if not starts and not answers and not self._busy:
-                self._changed.wait(POLL_S if self._awaiting else RECV_SLICE_S)
+                self._changed.wait(POLL_S if self._runner.outstanding else RECV_SLICE_S)
                 return True
         if starts:
             self._start(starts)
@@ -702,7 +663,6 @@ class Rollouts:
         ids = np.array([env for env, _ in starts], dtype=np.int64)
         self._expect_reset[ids] = True
         self._sent_s[ids] = time.monotonic()
-        self._busy.update(ids.tolist())
         self.envs.async_reset(seed=seeds, options=options, env_ids=ids)
 
     def _send(self, answers: list[tuple[int, Any]]) -> None:
@@ -713,42 +673,24 @@ class Rollouts:
         ids = np.array(env_ids, dtype=np.int64)
         self._expect_reset[ids] = False
         self._sent_s[ids] = time.monotonic()
-        self._busy.update(env_ids)
         self.envs.send(actions, ids)
 
     def _receive(self) -> None:
-        """Receives a batch (fewer rows when fewer envs run), then, for a batched
-        policy, every further batch that is ready already: the policy answers all
-        the rows that wait, in one call."""
+        """Receives a batch (fewer rows when fewer envs run), records it and hands
+        the rows that await an action to the policy's runner."""
         running = len(self._busy)
-        timeout = POLL_S if self._awaiting else RECV_SLICE_S
+        timeout = POLL_S if self._runner.outstanding else RECV_SLICE_S
         try:
-            results = [self.envs.recv(timeout=timeout, partial=running < self.batch_size)]
+            result = self.envs.recv(timeout=timeout, partial=running < self.batch_size)
         except (multiprocessing.TimeoutError, TimeoutError):
             return
-        running -= len(results[0][1])
-        while self._runner is None and self._drains and running >= self.batch_size:
-            try:
-                results.append(self.envs.recv(timeout=0))
-            except (multiprocessing.TimeoutError, TimeoutError):
-                break
-            running -= self.batch_size
         with self._changed:
-            parts = [(result[0], self._record(result)) for result in results]
             # A row recorded early may belong to an attempt that a later row's
             # outcome cancelled (its group completed or was dropped): its env is
             # free already.
-            parts = [(obs, [(i, e) for i, e in rows if self._on_env[e]]) for obs, rows in parts]
-            parts = [(obs, rows) for obs, rows in parts if rows]
-            if not parts:
-                return
-            if self._runner is not None:
-                for obs, rows in parts:
-                    self._ask_per_row(rows, obs)
-                return
-            for _, rows in parts:
-                self._in_batch.update(env for _, env in rows)
-        self._ask_batched(parts)
+            rows = [(i, env) for i, env in self._record(result) if self._on_env[env]]
+            if rows:
+                self._ask(rows, result[0])
 
     def _record(self, result: tuple) -> list[tuple[int, int]]:
         """Records a received batch; returns the rows (row, env) that await an action."""
@@ -809,82 +751,33 @@ class Rollouts:
         )
         return info
 
-    def _ask_batched(self, parts: list[tuple[Any, list[tuple[int, int]]]]) -> None:
-        """Asks the batched policy for the rows of ``parts`` ((observations of a
-        received batch, its (row, env) pairs that await an action)) and sends."""
-        assert self._policy is not None
-        observations = join_batches([take_rows(obs, [i for i, _ in rows]) for obs, rows in parts])
-        env_ids = [env for _, rows in parts for _, env in rows]
-        trajs = [self._on_env[env] for env in env_ids]
-        batch = PolicyBatch(observations, trajs, np.array(env_ids, dtype=np.int64))  # type: ignore[arg-type]
-        version = self.version
-        started = time.monotonic()
-        try:
-            output = self._policy(batch)
-            actions, extras = split_batch_output(output, len(env_ids), env_ids)
-            per_row = rows_of(actions)
-        except PolicyError:
-            raise
-        except Exception as error:
-            raise PolicyError(
-                f"the policy raised {error!r} for the rows of envs {env_ids}"
-            ) from error
-        ended = time.monotonic()
-        with self._changed:
-            self.policy_calls += 1
-            self._policy_busy_s += ended - started
-            answers = []
-            for env, traj, action, extra in zip(env_ids, trajs, per_row, extras):
-                self._in_batch.discard(env)
-                assert traj is not None
-                if traj.status is not Status.RUNNING:
-                    if self._on_env[env] is traj:
-                        self._release(env)
-                    continue
-                traj.actions.append(action)
-                traj.extras.append(extra)
-                traj.versions.append(version)
-                traj.policy_s += ended - started
-                answers.append((env, action))
-        if answers:
-            self._send(answers)
-
-    def _ask_per_row(self, rows: list[tuple[int, int]], obs: Any) -> None:
-        assert self._runner is not None
-        observations = rows_of(obs)
-        for i, env in rows:
-            traj = self._on_env[env]
-            assert traj is not None
-            self._awaiting[id(traj)] = traj
-            if self._policy_since is None:
-                self._policy_since = time.monotonic()
-            self._runner.submit((traj, self.version), PolicyRow(observations[i], traj, env))
+    def _ask(self, rows: list[tuple[int, int]], obs: Any) -> None:
+        """Hands the policy's runner the rows ``(row, env)`` of the received
+        observations ``obs`` (copied: the runner keeps them)."""
+        observations = take_rows(obs, [i for i, _ in rows])
+        self._runner.submit(
+            [
+                PolicyRow(observation, self._on_env[env], env)  # type: ignore[arg-type]
+                for observation, (_, env) in zip(rows_of(observations), rows)
+            ],
+            observations,
+        )
 
     def _take_answers(self, now: float) -> list[tuple[int, Any]]:
-        if self._runner is None or not self._awaiting:
-            return []
+        """The policy's answers for attempts still running, recorded, as (env, action)."""
         answers = []
         for answer in self._runner.take():
             traj, version = answer.key
-            self._awaiting.pop(id(traj), None)
             if answer.error is not None:
-                raise PolicyError(
-                    f"the policy raised {answer.error!r} for the row of env {traj.env_id}"
-                ) from answer.error
+                raise answer.error
             if traj.status is not Status.RUNNING:
                 continue  # cancelled meanwhile; its env was freed then
             action, extra = split_row_output(answer.output)
-            if action is None:
-                raise PolicyError(f"the policy answered None for the row of env {traj.env_id}")
             traj.actions.append(action)
             traj.extras.append(extra)
             traj.versions.append(version)
             traj.policy_s += answer.ended_s - answer.started_s
             answers.append((traj.env_id, action))
-        if not self._awaiting and self._policy_since is not None:
-            self._policy_busy_s += now - self._policy_since
-            self._policy_since = None
-        self.policy_calls += len(answers)
         return answers
 
 
