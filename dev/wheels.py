@@ -94,35 +94,7 @@ ARM64_PACKAGES = ("python3.11:arm64",)
 ARM64_TEST_REQUIREMENTS = ("numpy", "gymnasium", "cloudpickle", "pytest", "pytest-timeout")
 #: The smoke test (the one of tests/test_packaging.py): steps ShmVectorEnv against
 #: SyncVectorEnv and prints where shmvec was imported from.
-SMOKE = """
-import gymnasium as gym
-import numpy as np
-
-import shmvec
-from shmvec import _core, _worker_loop
-
-
-def make():
-    return gym.make("CartPole-v1")
-
-
-if __name__ == "__main__":
-    envs = shmvec.ShmVectorEnv([make] * 4, num_workers=2)
-    ref = gym.vector.SyncVectorEnv([make] * 4)
-    obs, _ = envs.reset(seed=7)
-    ref_obs, _ = ref.reset(seed=7)
-    np.testing.assert_array_equal(obs, ref_obs)
-    for _ in range(50):
-        actions = envs.action_space.sample()
-        got, want = envs.step(actions), ref.step(actions)
-        for a, b in zip(got[:4], want[:4]):
-            np.testing.assert_array_equal(a, b)
-    envs.close()
-    ref.close()
-    print("SHMVEC", shmvec.__version__, shmvec.__file__)
-    print("CORE", _core.__file__)
-    print("LOOP", _worker_loop.__file__)
-"""
+SMOKE = (Path(__file__).resolve().parent / "smoke.py").read_text()
 #: Where the copy of the tests comes from: what the suite reads besides shmvec itself.
 TEST_TREE = ("tests", "docs", "examples", "benchmarks", "dev", "README.md", "pyproject.toml")
 #: Tests of the source tree rather than of the installed package: they read files under
