@@ -71,8 +71,8 @@ class RunContext:
     #: the policy version after every batch. None: unbounded.
     max_lag: int | None = 1
     #: How the layer calls the policy: ``"batched"`` (a batched callable, called on every
-    #: row that waits whenever it is free) or ``"rows"`` (an ``AsyncPolicy`` per row over a ``Batcher``, as an
-    #: inference server batches requests).
+    #: row that waits whenever it is free) or ``"rows"`` (an ``AsyncPolicy`` per row over
+    #: a ``Batcher``, as an inference server batches requests).
     policy_mode: str = "batched"
     #: multiprocessing start method for process-based backends.
     context: str = "forkserver"

@@ -13,7 +13,7 @@ exception is re-raised by ``step``.
 from __future__ import annotations
 
 from shmvec_bench.rollouts.backends.base import register
-from shmvec_bench.rollouts.backends.lockstep import rollout
+from shmvec_bench.rollouts.backends.lockstep import Lockstep
 from shmvec_bench.rollouts.records import RunContext
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, env_fns, import_gem
 
@@ -25,14 +25,13 @@ from shmvec_bench.rollouts.workloads import RELEASE_HANGS, env_fns, import_gem
     requires="gem",
     lockstep=True,
 )
-class GemVec:
+class GemVec(Lockstep):
     def __init__(self, ctx: RunContext) -> None:
         RELEASE_HANGS.clear()
-        self.ctx = ctx
+        super().__init__(ctx)
         vector = import_gem("gem.vector.async_vector_env")
         fns = env_fns(ctx.workload, ctx.num_envs)
         self.envs = vector.AsyncVectorEnv(env_ids=[ctx.workload] * ctx.num_envs, env_fns=fns)
-        self.env_steps = 0
 
     def _reset(self, seeds):
         obs, _ = self.envs.reset(seed=list(seeds))
@@ -41,17 +40,6 @@ class GemVec:
     def _step(self, ids, actions):
         obs, rewards, terms, truncs, _ = self.envs.step(dict(zip(ids, actions)))
         return list(zip(obs, rewards.tolist(), terms.tolist(), truncs.tolist()))
-
-    def get_batch(self):
-        groups, steps = rollout(self.ctx, self._reset, self._step)
-        self.env_steps += steps
-        return groups
-
-    def env_pids(self):
-        return []
-
-    def stats(self):
-        return None
 
     def close(self, terminate: bool = False) -> None:
         RELEASE_HANGS.set()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import gymnasium as gym
 
 from shmvec_bench.rollouts.backends.base import register
-from shmvec_bench.rollouts.backends.lockstep import rollout
+from shmvec_bench.rollouts.backends.lockstep import Lockstep
 from shmvec_bench.rollouts.records import RunContext
 from shmvec_bench.rollouts.workloads import env_fns
 
@@ -25,13 +25,14 @@ from shmvec_bench.rollouts.workloads import env_fns
     mirrors="gymnasium/vector/async_vector_env.py",
     lockstep=True,
 )
-class GymAsync:
+class GymAsync(Lockstep):
+    ROLLOUT = {"step_finished": True}
+
     def __init__(self, ctx: RunContext) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.envs = gym.vector.AsyncVectorEnv(
             env_fns(ctx.workload, ctx.num_envs), context=ctx.context, shared_memory=False
         )
-        self.env_steps = 0
 
     def _reset(self, seeds):
         obs, _ = self.envs.reset(seed=list(seeds))
@@ -41,16 +42,8 @@ class GymAsync:
         obs, rewards, terms, truncs, _ = self.envs.step(tuple(actions))
         return list(zip(obs, rewards.tolist(), terms.tolist(), truncs.tolist()))
 
-    def get_batch(self):
-        groups, steps = rollout(self.ctx, self._reset, self._step, step_finished=True)
-        self.env_steps += steps
-        return groups
-
     def env_pids(self):
         return [p.pid for p in self.envs.processes if p.is_alive()]
-
-    def stats(self):
-        return None
 
     def close(self, terminate: bool = False) -> None:
         self.envs.close(terminate=terminate)

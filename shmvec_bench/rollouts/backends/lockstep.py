@@ -1,7 +1,8 @@
 """The turn loop that the lock-step runners share: reset every env to its group's
 task, then turn after turn ask the policy for the unfinished rows and step them,
 until every trajectory has ended. Env ``i`` runs member ``i % group_size`` of
-group ``i // group_size``; one call of ``rollout`` is one batch."""
+group ``i // group_size``; one call of ``rollout`` is one batch. ``Lockstep`` is
+such a runner, given how to reset and step its envs."""
 
 from __future__ import annotations
 
@@ -63,3 +64,31 @@ def rollout(
         for k, (task, seed) in enumerate(tasks)
     ]
     return groups, env_steps
+
+
+class Lockstep:
+    """A lock-step runner: one ``rollout`` of its envs a batch, through ``_reset(seeds)``
+    and ``_step(env_ids, actions)``; ``ROLLOUT`` holds ``rollout``'s options."""
+
+    ROLLOUT: dict[str, bool] = {}
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.env_steps = 0
+
+    def _reset(self, seeds: list[int]) -> Sequence[str]:
+        raise NotImplementedError
+
+    def _step(self, ids: list[int], actions: list[str]) -> Sequence[tuple[str, float, bool, bool]]:
+        raise NotImplementedError
+
+    def get_batch(self) -> list[GroupRecord]:
+        groups, steps = rollout(self.ctx, self._reset, self._step, **self.ROLLOUT)
+        self.env_steps += steps
+        return groups
+
+    def env_pids(self) -> list[int]:
+        return []
+
+    def stats(self) -> None:
+        return None

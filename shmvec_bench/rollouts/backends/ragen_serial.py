@@ -10,7 +10,7 @@ An env's exception ends the rollout, as in ``es_manager.py`` (no try/except).
 from __future__ import annotations
 
 from shmvec_bench.rollouts.backends.base import register
-from shmvec_bench.rollouts.backends.lockstep import rollout
+from shmvec_bench.rollouts.backends.lockstep import Lockstep
 from shmvec_bench.rollouts.records import RunContext
 from shmvec_bench.rollouts.workloads import make_env
 
@@ -21,28 +21,16 @@ from shmvec_bench.rollouts.workloads import make_env
     mirrors="ragen/llm_agent/es_manager.py, agent_proxy.py rollout",
     lockstep=True,
 )
-class RagenSerial:
+class RagenSerial(Lockstep):
     def __init__(self, ctx: RunContext) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.envs = [make_env(ctx.workload, i) for i in range(ctx.num_envs)]
-        self.env_steps = 0
 
     def _reset(self, seeds):
         return [env.reset(seed=s)[0] for env, s in zip(self.envs, seeds)]
 
     def _step(self, ids, actions):
         return [self.envs[i].step(a)[:4] for i, a in zip(ids, actions)]
-
-    def get_batch(self):
-        groups, steps = rollout(self.ctx, self._reset, self._step)
-        self.env_steps += steps
-        return groups
-
-    def env_pids(self):
-        return []
-
-    def stats(self):
-        return None
 
     def close(self, terminate: bool = False) -> None:
         self.envs = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import multiprocessing
 
 from shmvec_bench.rollouts.backends.base import register
-from shmvec_bench.rollouts.backends.lockstep import rollout
+from shmvec_bench.rollouts.backends.lockstep import Lockstep
 from shmvec_bench.rollouts.records import RunContext
 from shmvec_bench.rollouts.workloads import make_env
 
@@ -46,9 +46,11 @@ def serve(workload: str, index: int, conn) -> None:
     mirrors="agent_system/environments/env_package/*/envs.py, rollout_loop.py",
     lockstep=True,
 )
-class VerlProcs:
+class VerlProcs(Lockstep):
+    ROLLOUT = {"generate_for_finished": True, "step_finished": True}
+
     def __init__(self, ctx: RunContext) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         mp = multiprocessing.get_context(ctx.context)
         self.conns, self.procs = [], []
         for i in range(ctx.num_envs):
@@ -60,7 +62,6 @@ class VerlProcs:
             self.procs.append(proc)
         # Every env built and answering before the first turn (a Ray actor's __init__).
         self._gather(range(ctx.num_envs), "reset", [None] * ctx.num_envs)
-        self.env_steps = 0
 
     def _gather(self, ids, command, payloads):
         for i, data in zip(ids, payloads):
@@ -80,22 +81,14 @@ class VerlProcs:
             results.append(value)
         return results
 
-    def get_batch(self):
-        groups, steps = rollout(
-            self.ctx,
-            lambda seeds: self._gather(range(self.ctx.num_envs), "reset", seeds),
-            lambda ids, actions: self._gather(ids, "step", actions),
-            generate_for_finished=True,
-            step_finished=True,
-        )
-        self.env_steps += steps
-        return groups
+    def _reset(self, seeds):
+        return self._gather(range(self.ctx.num_envs), "reset", seeds)
+
+    def _step(self, ids, actions):
+        return self._gather(ids, "step", actions)
 
     def env_pids(self):
         return [p.pid for p in self.procs if p.is_alive()]
-
-    def stats(self):
-        return None
 
     def close(self, terminate: bool = False) -> None:
         for conn in self.conns:
