@@ -168,6 +168,22 @@ def test_cli_writes_table_csv_and_plot(tmp_path, capsys):
     assert all(r["outcome"] == "ok" for r in rows)
 
 
+def test_cli_gives_the_layer_a_row_per_lag_bound(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(
+        ["--workloads", "frozenlake", "--backends", "shmvec", "ragen-serial",
+         "--max-lag", "1", "-1", "--num-envs", "4", "--group-size", "2", "--seconds", "0.1",
+         "--repeats", "1", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| frozenlake | latency | shmvec (max_lag=1) | 4 |" in table
+    assert "| frozenlake | latency | shmvec (no lag bound) | 4 |" in table
+    with open(out / "rollouts.csv") as fh:
+        rows = {(r["backend"], r["variant"]) for r in csv.DictReader(fh)}  # runs and medians
+    assert rows == {("ragen-serial", ""), ("shmvec", "max_lag=1"), ("shmvec", "no lag bound")}
+
+
 @pytest.mark.parametrize("name", ["latency", "gru"])
 def test_policies_answer_every_row_from_the_vocabulary(name):
     if name == "gru":

@@ -85,9 +85,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="shmvec's result slots (default: the vector env's)",
     )  # fmt: skip
     parser.add_argument(
-        "--max-lag", type=int, default=1, metavar="L",
-        help="the rollout layer's lag bound in policy versions; the trainer sets the next "
-        "version after every batch; -1: unbounded (default: 1)",
+        "--max-lag", type=int, nargs="+", default=[1, -1], metavar="L",
+        help="the rollout layer's lag bound in policy versions, a shmvec row for each; the "
+        "trainer sets the next version after every batch; -1: unbounded (default: 1 -1)",
     )  # fmt: skip
     parser.add_argument(
         "--layer-policy", choices=("batched", "rows"), default="batched",
@@ -123,12 +123,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     policies = [p for p in args.policy if policy_available(p)]
     for p in sorted(set(args.policy) - set(policies)):
         print(f"note: torch is not installed; skipping the {p} policy", file=sys.stderr)
+    # The layer's lag bounds each make a row of their own; the other runners have none.
+    lags = [None if lag < 0 else lag for lag in dict.fromkeys(args.max_lag)]
+    cases = [(b, lag) for b in backends for lag in (lags if b == "shmvec" else lags[:1])]
     load = warn_if_busy(cores)
     started = time.perf_counter()
     runs, medians = [], []
     for workload in args.workloads:
         for policy in policies:
-            for backend in backends:
+            for backend, max_lag in cases:
                 rows = []
                 for repeat in range(args.repeats):
                     m = measure(
@@ -136,12 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         group_size=args.group_size, seconds=args.seconds, timeout=args.timeout,
                         seed=repeat, batch_size=args.batch_size, num_workers=args.num_workers,
                         env_concurrency=args.env_concurrency, ring_depth=args.ring_depth,
-                        max_lag=None if args.max_lag < 0 else args.max_lag,
-                        policy_mode=args.layer_policy,
+                        max_lag=max_lag, policy_mode=args.layer_policy,
                     )  # fmt: skip
                     rows.append(m)
                     print(
-                        f"[{workload} {policy} {backend} run {repeat + 1}] {m.outcome}: "
+                        f"[{workload} {policy} {m.label} run {repeat + 1}] {m.outcome}: "
                         f"{m.groups_per_s:.2f} groups/s, {m.batches} batches in {m.seconds:.1f} s",
                         file=sys.stderr,
                         flush=True,
@@ -163,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print()
     print(markdown_table(medians))
-    for backend, config in dict.fromkeys((m.backend, m.config) for m in medians if m.config):
+    for backend, config in dict.fromkeys((m.label, m.config) for m in medians if m.config):
         print(f"\n{backend}: {config}")
     written = ["rollouts.csv"] + (["rollouts.png"] if plotted else [])
     print(

@@ -17,7 +17,7 @@ LOCKSTEP = ("ragen-serial", "verl-procs", "gym-async", "gem-vec")
 
 
 def ratios(rows: Sequence[RolloutMeasurement]) -> dict[tuple[str, str, str], str]:
-    """Per (workload, policy, backend): groups/s over the best baseline's of the same
+    """Per (workload, policy, backend label): groups/s over the best baseline's of the same
     workload and policy (``vs best``), and over the best lock-step baseline's."""
     out = {}
     for m in rows:
@@ -35,7 +35,7 @@ def ratios(rows: Sequence[RolloutMeasurement]) -> dict[tuple[str, str, str], str
             cell = f"{m.groups_per_s / best:.2f}x"
             if lock:
                 cell += f" / {m.groups_per_s / lock:.2f}x"
-        out[(m.workload, m.policy, m.backend)] = cell
+        out[(m.workload, m.policy, m.label)] = cell
     return out
 
 
@@ -65,8 +65,8 @@ def markdown_table(rows: Sequence[RolloutMeasurement]) -> str:
                 f"{_fmt(m.straggler_trained_share, '.0%')}"
             )
         lines.append(
-            f"| {m.workload} | {m.policy} | {m.backend} | {m.num_envs} "
-            f"| {_fmt(m.groups_per_s, ',.2f')} | {cells[(m.workload, m.policy, m.backend)]} "
+            f"| {m.workload} | {m.policy} | {m.label} | {m.num_envs} "
+            f"| {_fmt(m.groups_per_s, ',.2f')} | {cells[(m.workload, m.policy, m.label)]} "
             f"| {_fmt(m.steps_per_s, ',.0f')} | {_fmt(m.policy_idle_share, '.0%')} "
             f"| {_fmt(m.get_batch_p50_s, '.2f')} / {_fmt(m.get_batch_p99_s, '.2f')} "
             f"| {_fmt(m.traj_p50_s, '.2f')} / {_fmt(m.traj_p99_s, '.2f')} "
@@ -101,8 +101,8 @@ def write_plot(rows: Sequence[RolloutMeasurement], path: Path, title: str = "") 
     if not ok:
         return False
     cases = list(dict.fromkeys((m.workload, m.policy, m.num_envs) for m in ok))
-    backends = list(dict.fromkeys(m.backend for m in ok))
-    by_key = {(m.workload, m.policy, m.num_envs, m.backend): m for m in ok}
+    backends = list(dict.fromkeys(m.label for m in ok))
+    by_key = {(m.workload, m.policy, m.num_envs, m.label): m for m in ok}
     width = 0.8 / len(backends)
     fig, ax = plt.subplots(figsize=(1.5 + max(2.0, 0.6 * len(backends)) * len(cases), 5))
     others: dict[str, str] = {}

@@ -85,6 +85,13 @@ class RolloutMeasurement:
     config: str = ""
     #: Measurements this row is the median of.
     runs: int = 1
+    #: What sets this row apart from the other rows of its backend (shmvec: its lag bound).
+    variant: str = ""
+
+    @property
+    def label(self) -> str:
+        """The backend, and its variant if any: ``shmvec (max_lag=1)``."""
+        return f"{self.backend} ({self.variant})" if self.variant else self.backend
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -140,6 +147,10 @@ def measure(
         raise ValueError(f"num_envs={num_envs} is not a multiple of group_size={group_size}")
     spec, entry = WORKLOADS[workload], REGISTRY[backend]
     row = RolloutMeasurement(workload, backend, policy, num_envs, group_size)
+    if backend == "shmvec":  # the layer's settings that the benchmark varies
+        row.variant = "no lag bound" if max_lag is None else f"max_lag={max_lag}"
+        if policy_mode != "batched":
+            row.variant += f", {policy_mode}"
     RELEASE_HANGS.clear()
     pol = make_policy(policy, spec.actions, seed)
     stream = TaskStream(seed)
@@ -274,6 +285,6 @@ def median_row(rows: Sequence[RolloutMeasurement]) -> RolloutMeasurement:
     bad = [r for r in rows if r.outcome != "ok"]
     merged.outcome = bad[0].outcome if bad else "ok"
     merged.accounting = (bad[0] if bad else first).accounting
-    merged.config = first.config
+    merged.config, merged.variant = first.config, first.variant
     merged.runs = len(rows)
     return merged
