@@ -98,7 +98,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--seconds", type=float, default=10.0, metavar="S",
         help="timed window per run, at least one get_batch (default: 10)",
     )  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=3, metavar="N", help="runs per row")
+    parser.add_argument(
+        "--repeats", type=int, default=3, metavar="N",
+        help="runs per row, taken in turns across the runners (default: 3)",
+    )  # fmt: skip
     parser.add_argument(
         "--timeout", type=float, default=120.0, metavar="S",
         help="a run with no batch for this long is reported as hung (default: 120)",
@@ -131,9 +134,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs, medians = [], []
     for workload in args.workloads:
         for policy in policies:
-            for backend, max_lag in cases:
-                rows = []
-                for repeat in range(args.repeats):
+            # Repeats go round the runners in turn, so that a change in the host's load
+            # falls on all of them alike.
+            rows: dict[tuple, list] = {case: [] for case in cases}
+            for repeat in range(args.repeats):
+                for (backend, max_lag), done in rows.items():
+                    # A run with one batch longer than three windows, or a failure,
+                    # is not repeated: its figure is already clear.
+                    if done and (done[-1].outcome != "ok" or done[-1].seconds > 3 * args.seconds):
+                        continue
                     m = measure(
                         workload, backend, policy, num_envs=args.num_envs,
                         group_size=args.group_size, seconds=args.seconds, timeout=args.timeout,
@@ -141,19 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                         env_concurrency=args.env_concurrency, ring_depth=args.ring_depth,
                         max_lag=max_lag, policy_mode=args.layer_policy,
                     )  # fmt: skip
-                    rows.append(m)
+                    done.append(m)
                     print(
                         f"[{workload} {policy} {m.label} run {repeat + 1}] {m.outcome}: "
                         f"{m.groups_per_s:.2f} groups/s, {m.batches} batches in {m.seconds:.1f} s",
                         file=sys.stderr,
                         flush=True,
                     )
-                    # A run with one batch longer than three windows, or a failure,
-                    # is not repeated: its figure is already clear.
-                    if m.outcome != "ok" or m.seconds > 3 * args.seconds:
-                        break
-                runs += rows
-                medians.append(median_row(rows))
+            for done in rows.values():
+                runs += done
+                medians.append(median_row(done))
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(runs + medians, args.out / "rollouts.csv")
     summary = machine_summary(cores, load)
