@@ -33,7 +33,7 @@ FrozenLake as text), CPU-bound steps, tool waits and injected faults.
 
 examples:
   shmvec-bench rollouts --workloads tool --num-envs 256 --repeats 3
-  shmvec-bench rollouts --workloads cpu200us --num-envs 64 --backends shmvec roll-threads
+  shmvec-bench rollouts --workloads cpu200us --num-envs 256 --backends shmvec roll-threads
   shmvec-bench rollouts --workloads tool tool-straggler --policy latency gru
 
 columns: "vs best / lock-step" divides shmvec's groups/s by the best baseline's of
