@@ -4,12 +4,15 @@ rows give the rollout layer's overhead.
 
 Each env runs trajectories back to back (``autoreset_mode="Disabled"``): when one
 ends, the env is reset to the next slot of the task stream with
-``async_reset(seed, env_ids=[env])``. Every ``recv`` batch goes to the policy at
-once. A step that failed (an env error, a restarted worker) ends its trajectory
-as ``"error"``; there are no retries.
+``async_reset(seed, env_ids=[env])``. Each turn receives a batch and every further
+batch that is ready already, and asks the policy for all their rows in one call. A
+step that failed (an env error, a restarted worker) ends its trajectory as
+``"error"``; there are no retries.
 """
 
 from __future__ import annotations
+
+import multiprocessing
 
 import numpy as np
 
@@ -41,19 +44,44 @@ class ShmvecLoop:
         self.envs.async_reset(seed=[s for _, s, _ in self.slot])
 
     def _turn(self) -> None:
-        obs, rewards, terms, truncs, infos = self.envs.recv()
+        results = [self.envs.recv()]
+        # Every env has a command out between turns; take the batches that are ready
+        # already (each recv returns a copy) while enough envs run to fill one.
+        running = self.ctx.num_envs - len(results[0][1])
+        while running >= self.envs.batch_size:
+            try:
+                results.append(self.envs.recv(timeout=0))
+            except (multiprocessing.TimeoutError, TimeoutError):
+                break
+            running -= len(results[-1][1])
+        observations, act, resets = [], [], []
+        for result in results:
+            self._record(result, observations, act, resets)
+        if resets:
+            seeds = [0] * self.ctx.num_envs
+            for env in resets:
+                seeds[env] = self.slot[env][1]
+            self.envs.async_reset(seed=seeds, env_ids=resets)
+        if act:
+            actions = self.ctx.policy(observations)
+            self.envs.send(tuple(actions), np.array(act))
+
+    def _record(self, result, observations: list, act: list, resets: list) -> None:
+        """Records one received batch: the envs that await an action go to ``act`` (their
+        observations to ``observations``), those whose trajectory ended to ``resets``."""
+        obs, rewards, terms, truncs, infos = result
         ids = infos["env_id"]
         failed = np.zeros(len(ids), dtype=bool)
         for key in FAILURES:
             if f"_{key}" in infos:
                 failed |= infos[f"_{key}"]
-        act, resets = [], []
         t = now()
         for row, env in enumerate(ids.tolist()):
             if self.expect_reset[env]:
                 self.expect_reset[env] = False
                 self.started[env], self.steps[env], self.reward[env] = t, 0, 0.0
-                act.append(row)
+                act.append(env)
+                observations.append(obs[row])
                 continue
             self.steps[env] += 1
             self.reward[env] += rewards[row]
@@ -77,15 +105,8 @@ class ShmvecLoop:
                 self.expect_reset[env] = True
                 resets.append(env)
             else:
-                act.append(row)
-        if resets:
-            seeds = [0] * self.ctx.num_envs
-            for env in resets:
-                seeds[env] = self.slot[env][1]
-            self.envs.async_reset(seed=seeds, env_ids=resets)
-        if act:
-            actions = self.ctx.policy([obs[r] for r in act])
-            self.envs.send(tuple(actions), ids[act])
+                act.append(env)
+                observations.append(obs[row])
 
     def get_batch(self):
         while self.assembler.ready < self.ctx.groups_per_batch:
