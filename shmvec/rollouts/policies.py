@@ -228,15 +228,10 @@ class BatchedPolicyRunner(PolicyRunner):
                     return
                 parts, self._pending = self._pending, []
             rows = [row for part, _ in parts for row in part]
-            batch = PolicyBatch(
-                join_batches([observations for _, observations in parts]),
-                [row.trajectory for row in rows],
-                np.array([row.env_id for row in rows], dtype=np.int64),
-            )
             version = self.version()
             self.clock.start()
             started = time.monotonic()
-            outputs, error = self._call(batch)
+            outputs, error = self._call(rows, [observations for _, observations in parts])
             ended = time.monotonic()
             self.clock.stop()
             self.calls += 1
@@ -245,18 +240,26 @@ class BatchedPolicyRunner(PolicyRunner):
                 self.answers.append(RowAnswer(key, output, error, started, ended))
             self.on_answer()
 
-    def _call(self, batch: PolicyBatch) -> tuple[list[Any], BaseException | None]:
-        """One ``RowOutput`` per row, or Nones and the error naming the rows."""
-        env_ids = batch.env_ids.tolist()
+    def _call(
+        self, rows: list[PolicyRow], observations: list[Any]
+    ) -> tuple[list[Any], BaseException | None]:
+        """The policy on ``rows`` (``observations``: their batches, in order): one
+        ``RowOutput`` per row, or Nones and the error naming the rows."""
+        env_ids = [row.env_id for row in rows]
         try:
+            batch = PolicyBatch(
+                join_batches(observations),
+                [row.trajectory for row in rows],
+                np.array(env_ids, dtype=np.int64),
+            )
             actions, extras = split_batch_output(self.policy(batch), len(batch), env_ids)
             per_row = rows_of(actions)
         except PolicyError as error:
-            return [None] * len(batch), error
+            return [None] * len(rows), error
         except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
             wrapped = PolicyError(f"the policy raised {error!r} for the rows of envs {env_ids}")
             wrapped.__cause__ = error
-            return [None] * len(batch), wrapped
+            return [None] * len(rows), wrapped
         return [RowOutput(a, e) for a, e in zip(per_row, extras)], None
 
     def close(self) -> None:
