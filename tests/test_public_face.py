@@ -19,19 +19,25 @@ from shmvec import __main__ as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 #: One entry of a Google-style "Args:" section: ``name (type, default value): ...``.
-ARG_ENTRY = re.compile(r"^ {8}(\w+) \((.+?)(?:, default (.+?))?\): ", re.S | re.M)
+ARG_ENTRY = re.compile(r"^ {4}(\w+) \((.+?)(?:, default (.+?))?\): ", re.S | re.M)
+
+
+def _constructor_doc() -> str:
+    """ShmVectorEnv's docstring with its indentation removed, as Python 3.13 stores
+    it (earlier versions keep the source's indentation)."""
+    return inspect.cleandoc(shmvec.ShmVectorEnv.__doc__ or "")
 
 
 def _args_section(doc: str) -> dict[str, tuple[str, str | None]]:
-    """``{name: (type, default)}`` of a docstring's "Args:" section."""
+    """``{name: (type, default)}`` of a cleaned docstring's "Args:" section."""
     section = doc.split("Args:", 1)[1]
-    section = re.split(r"\n {4}\S", section, maxsplit=1)[0]  # up to the next section
+    section = re.split(r"\n\S", section, maxsplit=1)[0]  # up to the next section
     # An entry may wrap inside its parentheses: join each entry's lines first.
-    entries = re.split(r"\n(?= {8}\w+ \()", section)
+    entries = re.split(r"\n(?= {4}\w+ \()", section)
     found = {}
     for entry in entries:
         flat = " ".join(line.strip() for line in entry.splitlines())
-        match = ARG_ENTRY.match(" " * 8 + flat)
+        match = ARG_ENTRY.match(" " * 4 + flat)
         if match:
             found[match[1]] = (match[2], match[3])
     return found
@@ -44,7 +50,7 @@ def _written(default: object) -> str:
 
 
 def test_every_constructor_option_is_in_the_docstring_table():
-    documented = _args_section(shmvec.ShmVectorEnv.__doc__ or "")
+    documented = _args_section(_constructor_doc())
     parameters = inspect.signature(shmvec.ShmVectorEnv.__init__).parameters
     options = [p for name, p in parameters.items() if name != "self"]
     missing = [p.name for p in options if p.name not in documented]
@@ -72,8 +78,8 @@ def test_every_constructor_option_is_in_the_options_page():
 
 
 def test_the_table_parser_sees_a_missing_option():
-    doc = shmvec.ShmVectorEnv.__doc__ or ""
-    without = re.sub(r"\n {8}ring_depth \(.*?\n", "\n", doc)
+    doc = _constructor_doc()
+    without = re.sub(r"\n {4}ring_depth \(.*?\n", "\n", doc)
     assert "ring_depth" in _args_section(doc) and "ring_depth" not in _args_section(without)
 
 
