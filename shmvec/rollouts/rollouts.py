@@ -212,10 +212,10 @@ class Rollouts:
         ``env_concurrency`` has no default: how many envs a worker steps at once
         is the one choice the envs' nature decides (envs that wait on tools:
         every env of a block, ``len(env_fns)``; envs that compute: ``1``).
-        ``batch_size`` defaults to a sixteenth of the envs: the loop receives
-        every batch that is ready before it asks the policy, so small batches
-        let it take what is ready sooner (256 envs waiting on tools, groups/s
-        +5% and ``get_batch`` p99 -30% against a quarter; docs: performance).
+        ``batch_size`` defaults to a sixteenth of the envs: each ``recv`` waits
+        for a full batch, so small batches bring rows to the policy sooner (256
+        envs waiting on tools, ``max_lag=1``: groups/s +10%, ``get_batch`` p99
+        -21% and policy idle 8% against 24% with a quarter; docs: performance).
         ``close()`` closes the vector env too.
         """
         from shmvec.vector_env import ShmVectorEnv

@@ -7,6 +7,13 @@ The loop is ``lockstep.rollout``: reset every env to its group's task
 ``step`` of every env (the vector API steps all of them; finished ones are given
 any action and their results ignored), until every trajectory has ended. An env's
 exception is re-raised by ``step``; a dead env process makes ``step`` raise.
+
+Text observations rule out shared memory, and without it gymnasium 1.4's ``reset``
+leaves a finished env's pending next-step autoreset in place (its worker clears the
+flag only when it writes to shared memory): the next batch's first step would reset
+the env again instead of stepping it. So the envs autoreset in the same step
+(``autoreset_mode=SAME_STEP``); a finished env stepped on is already in a new episode
+whose results the loop ignores, and ``reset`` starts the next batch's.
 """
 
 from __future__ import annotations
@@ -31,7 +38,10 @@ class GymAsync(Lockstep):
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
         self.envs = gym.vector.AsyncVectorEnv(
-            env_fns(ctx.workload, ctx.num_envs), context=ctx.context, shared_memory=False
+            env_fns(ctx.workload, ctx.num_envs),
+            context=ctx.context,
+            shared_memory=False,
+            autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
         )
 
     def _reset(self, seeds):
