@@ -639,7 +639,7 @@ class Rollouts:
             self._tick_s = now
             self._launch_groups(now)
             starts = self._assign(now)
-            answers = self._take_answers(now)
+            answers = self._take_answers()
             # Busy from now on, so that an attempt failed meanwhile (set_version)
             # leaves its env to the result's arrival instead of freeing it.
             self._busy.update(env for env, _ in starts)
@@ -763,7 +763,7 @@ class Rollouts:
             observations,
         )
 
-    def _take_answers(self, now: float) -> list[tuple[int, Any]]:
+    def _take_answers(self) -> list[tuple[int, Any]]:
         """The policy's answers for attempts still running, recorded, as (env, action)."""
         answers = []
         for answer in self._runner.take():
