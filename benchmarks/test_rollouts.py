@@ -10,7 +10,7 @@ Groups and what each answers:
 - ``tool-64envs``: W3, envs whose step waits on a tool (lognormal, median 20 ms), a
   policy with a GPU decode batch's latency: do the envs' waits overlap each other and
   the policy?
-- ``cpu200us-16envs``: W2, 200 us of CPU a step: does the runner use both cores, or
+- ``cpu200us-256envs``: W2, 200 us of CPU a step: does the runner use both cores, or
   does the GIL serialize the envs (the thread-per-env runners)?
 
 A round is one ``get_batch()`` (``num_envs / 8`` complete groups of 8); runners without
@@ -68,7 +68,9 @@ def test_tool_64_envs(benchmark, backend):
     run_rollouts(benchmark, "tool", backend, 64)
 
 
-@pytest.mark.benchmark(group="cpu200us-16envs")
-@pytest.mark.parametrize("backend", list(REGISTRY))
-def test_cpu200us_16_envs(benchmark, backend):
-    run_rollouts(benchmark, "cpu200us", backend, 16)
+@pytest.mark.benchmark(group="cpu200us-256envs")
+@pytest.mark.parametrize("backend", [b for b in REGISTRY if b not in ("verl-procs", "gym-async")])
+def test_cpu200us_256_envs(benchmark, backend):
+    # Fewer envs leave the policy, not the envs, setting the pace. A process per env
+    # means 256 processes here: shmvec-bench rollouts has those runners.
+    run_rollouts(benchmark, "cpu200us", backend, 256)
