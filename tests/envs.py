@@ -22,6 +22,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from gymnasium.vector import AutoresetMode
 
 
 class EnvBoom(Exception):
@@ -713,3 +714,46 @@ class StuckEnv(gym.Env):
         self.offset += float(action) * self.t
         obs = np.array([self.index, self.t, self.offset])
         return obs, float(action), self.t == self.episode_len, False, {}
+
+
+class Suicide:
+    """SIGKILLs its own process when numpy converts it (an observation being
+    written into its ring row) or when it is pickled (an info being sent)."""
+
+    def __array__(self, dtype=None, copy=None):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class DiesWhenTold(CountingEnv):
+    """A CountingEnv whose worker dies in its next step once ``die`` is set:
+    ``"step"`` inside the step (before its row is claimed), ``"obs"`` while its
+    row is written (claimed, not published), ``"info"`` while its message is
+    sent (published, message lost)."""
+
+    die = ""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        if self.die == "step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.die == "obs":
+            obs = Suicide()
+        if self.die == "info":
+            info = {"note": Suicide()}
+        return obs, reward, terminated, truncated, info
+
+
+def reference_step(env, mode, ended, action):
+    """What env gives alone for one action: (obs, reward, terminated, truncated, info, ended)."""
+    if mode == AutoresetMode.NEXT_STEP and ended:
+        obs, info = env.reset()
+        return obs, 0.0, False, False, info, False
+    obs, reward, terminated, truncated, info = env.step(action)
+    if mode == AutoresetMode.SAME_STEP and (terminated or truncated):
+        final_obs, final_info = obs, info
+        obs, info = env.reset()
+        info = {"final_obs": final_obs, "final_info": final_info, **info}
+    return obs, reward, terminated, truncated, info, terminated or truncated

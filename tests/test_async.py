@@ -55,19 +55,6 @@ def uneven(k: int):
     return lambda: UnevenStep(gym.make("CartPole-v1"), 1 + (k % 4) * 19 // 3)
 
 
-def reference_step(env, mode, ended, action):
-    """What env gives alone for one action: (obs, reward, terminated, truncated, info, ended)."""
-    if mode == AutoresetMode.NEXT_STEP and ended:
-        obs, info = env.reset()
-        return obs, 0.0, False, False, info, False
-    obs, reward, terminated, truncated, info = env.step(action)
-    if mode == AutoresetMode.SAME_STEP and (terminated or truncated):
-        final_obs, final_info = obs, info
-        obs, info = env.reset()
-        info = {"final_obs": final_obs, "final_info": final_info, **info}
-    return obs, reward, terminated, truncated, info, terminated or truncated
-
-
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
 @pytest.mark.parametrize("num_envs,num_workers,batch_size", [(8, 2, 3), (6, 3, 1), (9, 2, 5)])
 @pytest.mark.parametrize(
@@ -114,7 +101,7 @@ def test_each_env_matches_stepping_it_alone(
         actions = rng.integers(0, 2, batch_size)
         envs.send(actions, ids)
         for e, action in zip(ids.tolist(), actions.tolist()):
-            *result, ended[e] = reference_step(alone[e], mode, ended[e], action)
+            *result, ended[e] = test_envs.reference_step(alone[e], mode, ended[e], action)
             expected[e] = tuple(result[:4])
     envs.close()
     assert results.min() >= RESULTS_PER_ENV, (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
-import signal
 import time
 
 import envs as test_envs
@@ -343,35 +342,6 @@ def test_a_partial_recv_that_times_out_leaves_the_ring_as_it_was(tmp_path):
 # ---------------------------------------------------------------- dead workers
 
 
-class DiesWhenTold(test_envs.CountingEnv):
-    """A CountingEnv whose worker dies in its next step once ``die`` is set,
-    after ``delay`` s: ``"step"`` inside the step (no row claimed yet), ``"obs"``
-    while its row is written (claimed, not published), ``"info"`` while its
-    message is sent (published, message lost)."""
-
-    die = ""
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = super().step(action)
-        if self.die == "step":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.die == "obs":
-            obs = Suicide()
-        if self.die == "info":
-            info = {"note": Suicide()}
-        return obs, reward, terminated, truncated, info
-
-
-class Suicide:
-    """SIGKILLs its own process when numpy converts it or when it is pickled."""
-
-    def __array__(self, dtype=None, copy=None):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def __reduce__(self):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 class Counts:
     """Checks CountingEnv results one by one: +1 a step, 0 after a reset or a
     restart (a truncation with ``worker_restarted``); counts each env's results."""
@@ -409,7 +379,7 @@ def test_a_worker_killed_while_a_padded_slot_is_pending(where, monkeypatch):
     truncation with ``worker_restarted``; the ordinary cycle then goes on."""
     n, batch = 8, 4
     envs = shmvec.ShmVectorEnv(
-        [DiesWhenTold] * n, num_workers=4, batch_size=batch, on_worker_death="restart"
+        [test_envs.DiesWhenTold] * n, num_workers=4, batch_size=batch, on_worker_death="restart"
     )
     counts = Counts(n)
     one = np.ones(1, dtype=np.int64)

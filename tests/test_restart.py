@@ -261,36 +261,6 @@ def test_async_random_kills_lose_and_duplicate_no_transition(step_in_main, obs_l
         envs.close()
 
 
-class Suicide:
-    """SIGKILLs its own process when numpy converts it (an observation being
-    written into its ring row) or when it is pickled (an info being sent)."""
-
-    def __array__(self, dtype=None, copy=None):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def __reduce__(self):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-class DiesWhenTold(test_envs.CountingEnv):
-    """A CountingEnv whose worker dies in its next step once ``die`` is set:
-    ``"step"`` inside the step (before its row is claimed), ``"obs"`` while its
-    row is written (claimed, not published), ``"info"`` while its message is
-    sent (published, message lost)."""
-
-    die = ""
-
-    def step(self, action):
-        obs, reward, terminated, truncated, info = super().step(action)
-        if self.die == "step":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.die == "obs":
-            obs = Suicide()
-        if self.die == "info":
-            info = {"note": Suicide()}
-        return obs, reward, terminated, truncated, info
-
-
 @pytest.mark.parametrize("lent", [False, True], ids=["copied", "lent"])
 @pytest.mark.parametrize("where", ["step", "obs", "info"])
 def test_async_restart_wherever_the_worker_dies(where, lent, monkeypatch):
@@ -302,7 +272,7 @@ def test_async_restart_wherever_the_worker_dies(where, lent, monkeypatch):
         monkeypatch.setattr(shmvec.layout, "LEASE_MIN_BYTES", 1)
     n, batch = 6, 2
     envs = ShmVectorEnv(
-        [DiesWhenTold] * n, num_workers=3, batch_size=batch, on_worker_death="restart"
+        [test_envs.DiesWhenTold] * n, num_workers=3, batch_size=batch, on_worker_death="restart"
     )
     assert (envs._decoder.leases is not None) == lent
     rng = np.random.default_rng(3)
@@ -322,7 +292,7 @@ def test_async_restart_wherever_the_worker_dies(where, lent, monkeypatch):
         envs.close()
 
 
-class SlowOrTalkative(DiesWhenTold):
+class SlowOrTalkative(test_envs.DiesWhenTold):
     """Envs 0-1 are slow; envs 2-3 put a pickled info in every step, so that
     their rows come first and both carry a message."""
 

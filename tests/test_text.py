@@ -201,20 +201,6 @@ def test_spawned_workers_carry_text_bytes():
 # -------------------------------------------------------- async equivalence
 
 
-def reference_step(env, mode, ended, action):
-    """What ``env`` gives alone for one action: (obs, reward, terminated,
-    truncated, info, ended)."""
-    if mode == AutoresetMode.NEXT_STEP and ended:
-        obs, info = env.reset()
-        return obs, 0.0, False, False, info, False
-    obs, reward, terminated, truncated, info = env.step(action)
-    if mode == AutoresetMode.SAME_STEP and (terminated or truncated):
-        final_obs, final_info = obs, info
-        obs, info = env.reset()
-        info = {"final_obs": final_obs, "final_info": final_info, **info}
-    return obs, reward, terminated, truncated, info, terminated or truncated
-
-
 def _row(batch, row: int):
     """Row ``row`` of a batched observation of ChatEnv (text or Dict)."""
     if isinstance(batch, dict):
@@ -272,7 +258,7 @@ def test_async_each_env_matches_stepping_it_alone(mode, dict_obs, options):
             envs.send(actions, infos["env_id"])
             for e, action in zip(ids, actions):
                 sent[e] += 1
-                *result, ended[e] = reference_step(alone[e], mode, ended[e], action)
+                *result, ended[e] = test_envs.reference_step(alone[e], mode, ended[e], action)
                 expected[e] = tuple(result)
     finally:
         envs.close()
