@@ -9,6 +9,7 @@ import platform
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -66,12 +67,16 @@ def markdown_table(measurements: Sequence[Measurement], cores: int | None = None
 
 def write_csv(measurements: Sequence[Measurement], path: Path) -> None:
     """One row per measurement, columns as in ``Measurement``."""
-    fields = [f.name for f in dataclasses.fields(Measurement)]
+    write_rows(Measurement, measurements, path)
+
+
+def write_rows(cls: type, rows: Sequence[Any], path: Path) -> None:
+    """``rows`` (instances of the dataclass ``cls``) as a CSV file, a column per field."""
     with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer = csv.DictWriter(fh, fieldnames=[f.name for f in dataclasses.fields(cls)])
         writer.writeheader()
-        for m in measurements:
-            writer.writerow(dataclasses.asdict(m))
+        for row in rows:
+            writer.writerow(dataclasses.asdict(row))
 
 
 #: Bar colours: shmvec's backends in blues, gymnasium's in greys, the rest by cycle.

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import csv
-import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from shmvec_bench.report import _color, _fmt, _si
+from shmvec_bench.report import _color, _fmt, _si, write_rows
 from shmvec_bench.rollouts.runner import RolloutMeasurement
 
 #: The rows every ratio is taken against: the best of these in the same workload.
@@ -78,12 +76,7 @@ def markdown_table(rows: Sequence[RolloutMeasurement]) -> str:
 
 def write_csv(rows: Sequence[RolloutMeasurement], path: Path) -> None:
     """One row per measurement (every repeat, and the medians with ``runs > 1``)."""
-    names = [f.name for f in dataclasses.fields(RolloutMeasurement)]
-    with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=names)
-        writer.writeheader()
-        for m in rows:
-            writer.writerow(dataclasses.asdict(m))
+    write_rows(RolloutMeasurement, rows, path)
 
 
 def write_plot(rows: Sequence[RolloutMeasurement], path: Path, title: str = "") -> bool:
