@@ -753,14 +753,12 @@ class Rollouts:
 
     def _ask(self, rows: list[tuple[int, int]], obs: Any) -> None:
         """Hands the policy's runner the rows ``(row, env)`` of the received
-        observations ``obs`` (copied: the runner keeps them)."""
-        observations = take_rows(obs, [i for i, _ in rows])
+        observations ``obs``: each row's observation as its trajectory recorded
+        it, and their batch (copied: the runner keeps it)."""
+        trajs: list[Trajectory] = [self._on_env[env] for _, env in rows]  # type: ignore[misc]
         self._runner.submit(
-            [
-                PolicyRow(observation, self._on_env[env], env)  # type: ignore[arg-type]
-                for observation, (_, env) in zip(rows_of(observations), rows)
-            ],
-            observations,
+            [PolicyRow(traj.observations[-1], traj, env) for traj, (_, env) in zip(trajs, rows)],
+            take_rows(obs, [i for i, _ in rows]),
         )
 
     def _take_answers(self) -> list[tuple[int, Any]]:
