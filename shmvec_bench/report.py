@@ -141,12 +141,17 @@ def write_plot(
     if not [m for m in ok if m.backend != "single"]:
         return False
     fig = _bars(plt, ok, cores) if not is_sweep(ok) else _lines(plt, ok, cores)
+    save_figure(plt, fig, path, title)
+    return True
+
+
+def save_figure(plt, fig, path: Path, title: str = "") -> None:
+    """Writes ``fig`` to ``path`` (PNG, 120 dpi) under ``title``, and closes it."""
     if title:
         fig.suptitle(title, fontsize="small", color="#444444")
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    return True
 
 
 def _bars(plt, ok: Sequence[Measurement], cores: int):

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from shmvec_bench.report import _color, _fmt, _si, write_rows
+from shmvec_bench.report import _color, _fmt, _si, save_figure, write_rows
 from shmvec_bench.rollouts.runner import RolloutMeasurement
 
 #: The rows every ratio is taken against: the best of these in the same workload.
@@ -119,9 +119,5 @@ def write_plot(rows: Sequence[RolloutMeasurement], path: Path, title: str = "") 
     ax.spines[["top", "right"]].set_visible(False)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_ylim(top=ax.get_ylim()[1] * 3)
-    if title:
-        fig.suptitle(title, fontsize="small", color="#444444")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(plt, fig, path, title)
     return True
