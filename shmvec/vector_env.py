@@ -383,16 +383,25 @@ class ShmVectorEnv(VectorEnvBase):
         unusual (an error, a pickled info, a late worker), goes through
         ``step_async`` / ``step_wait``.
         """
-        if (
+        if not (
+            self._short_path_open() and self._action_codec.write_exact(self._action_views, actions)
+        ):
+            self.step_async(actions)
+            return self.step_wait()
+        return self._step_short()
+
+    def _short_path_open(self) -> bool:
+        """Whether the next step may take the short path, its actions aside."""
+        return not (
             self.closed
             or self._state is not AsyncState.DEFAULT
             or not self._short_path
             or self.validate_actions
             or self._rounds.unfinished
-            or not self._action_codec.write_exact(self._action_views, actions)
-        ):
-            self.step_async(actions)
-            return self.step_wait()
+        )
+
+    def _step_short(self):
+        """The short path of ``step``, the actions already in the slab."""
         self._state = AsyncState.WAITING_STEP
         try:
             clean = self._rounds.step_round()
@@ -519,6 +528,8 @@ class ShmVectorEnv(VectorEnvBase):
 
     def _step_written(self) -> tuple[Any, ...]:
         """``step`` with the actions already written into the action slab."""
+        if self._short_path_open():
+            return self._step_short()
         self._step_async(None, write=False)
         return self.step_wait()
 

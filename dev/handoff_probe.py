@@ -1,0 +1,269 @@
+"""Where the GPU hand-off's time goes, on a machine with CUDA.
+
+Three measurements, each printed as a table:
+
+1. Host -> device bandwidth of one 16 MiB copy from each kind of host memory:
+   torch's pinned allocator, pageable memory, and memory pinned in place with
+   ``cudaHostRegister`` (an anonymous mapping, a memfd mapping as shmvec's
+   segment is, the same with transparent huge pages, and the segment of a
+   ``TorchVectorEnv`` itself). CUDA events, median of 20; each copy follows a
+   CPU write of the buffer, as a step's results do.
+2. The phases of one step, ``TorchVectorEnv`` against a plain
+   ``torch.from_numpy(...).to(device)`` of the same results: actions to the
+   host, the vector env's step, finding the span, the device copy (with a
+   synchronize after each phase, so each is timed alone), per workload.
+3. The env's own step before and after its segment is pinned in place, which
+   says whether pinning slows the workers' writes.
+
+With ``--profile``, instead: torch's profiler over 300 steps of CartPole x64
+through ``TorchVectorEnv`` and through ``from_numpy().to()``, the ops that take
+the main thread's time in each, most first.
+
+    python dev/handoff_probe.py [--seconds S] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import shmvec
+from shmvec.torch import TorchVectorEnv
+from shmvec_bench.workloads import WORKLOADS
+
+MIB16 = 16 * 2**20
+CASES = (("cartpole", 64), ("pong", 32), ("largeobs", 16))
+
+
+def _register(address: int, size: int) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+
+
+def _unregister(address: int) -> None:
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def _h2d_gb_s(host: torch.Tensor, repeats: int = 20) -> float:
+    device = torch.empty(host.shape, dtype=host.dtype, device="cuda")
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(repeats):
+        host[::4096].fill_(i)  # the CPU writes the buffer first, as the workers do
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        device.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return host.numel() * host.element_size() / statistics.median(times) / 1e9
+
+
+def _mapping(fd: int | None, huge: bool) -> mmap.mmap:
+    if fd is None:
+        m = mmap.mmap(-1, MIB16, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:
+        os.ftruncate(fd, MIB16)
+        m = mmap.mmap(fd, MIB16, flags=mmap.MAP_SHARED)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    m.write(b"\1" * MIB16)
+    return m
+
+
+def bandwidths() -> list[tuple[str, float]]:
+    rows = [
+        (
+            "torch pinned (cudaHostAlloc)",
+            _h2d_gb_s(torch.ones(MIB16, dtype=torch.uint8).pin_memory()),
+        ),
+        ("pageable", _h2d_gb_s(torch.ones(MIB16, dtype=torch.uint8))),
+    ]
+    for name, memfd, huge in (
+        ("registered anonymous private mapping", False, False),
+        ("registered memfd shared mapping (as the segment)", True, False),
+        ("registered memfd shared mapping, MADV_HUGEPAGE", True, True),
+    ):
+        fd = os.memfd_create("probe") if memfd else None
+        m = _mapping(fd, huge)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        _register(address, MIB16)
+        try:
+            rows.append((name, _h2d_gb_s(torch.frombuffer(m, dtype=torch.uint8))))
+        finally:
+            torch.cuda.synchronize()
+            _unregister(address)  # the mapping stays until the probe exits
+    env = shmvec.ShmVectorEnv([WORKLOADS["largeobs"]] * 16, copy=False)
+    envs = TorchVectorEnv(env, device="cuda")
+    try:
+        obs, _ = envs.reset(seed=0)
+        envs.step(torch.zeros(16, dtype=torch.int64, device="cuda"))
+        span = envs._packer.span([envs.shm.step(np.zeros(16, dtype=np.int64))[0]])
+        assert span is not None
+        host = envs._packer.host[span.start : span.end]
+        rows.append(("the TorchVectorEnv segment (1 MiB x16 obs)", _h2d_gb_s(host)))
+    finally:
+        envs.close()
+    return rows
+
+
+def _timed(seconds: float, phases: dict[str, float], step) -> float:
+    """Runs ``step(phases)`` for ``seconds``; returns steps and leaves mean µs per phase."""
+    for key in phases:
+        phases[key] = 0.0
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        step(phases)
+        count += 1
+    for key in phases:
+        phases[key] = phases[key] / count * 1e6
+    return count
+
+
+def phases_of(workload: str, num_envs: int, seconds: float) -> dict[str, dict[str, float]]:
+    sync = torch.cuda.synchronize
+    env = shmvec.ShmVectorEnv([WORKLOADS[workload]] * num_envs, copy=False)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        env.reset(seed=0)
+        actions = torch.zeros(num_envs, dtype=torch.int64, device="cuda")
+        result = env.step(actions.cpu().numpy())[:4]
+
+        def env_alone(p: dict[str, float]) -> None:
+            t0 = time.perf_counter()
+            env.step(np.zeros(num_envs, dtype=np.int64))
+            p["step"] += time.perf_counter() - t0
+
+        def plain(p: dict[str, float]) -> None:
+            nonlocal result
+            t0 = time.perf_counter()
+            host_actions = actions.cpu().numpy()
+            t1 = time.perf_counter()
+            result = env.step(host_actions)[:4]
+            t2 = time.perf_counter()
+            on_device = [torch.from_numpy(a).to("cuda") for a in result]
+            sync()
+            t3 = time.perf_counter()
+            p["actions"] += t1 - t0
+            p["step"] += t2 - t1
+            p["copy"] += t3 - t2
+            del on_device
+
+        out["env alone, not pinned"] = {"step": 0.0}
+        _timed(seconds, out["env alone, not pinned"], env_alone)
+        out["from_numpy().to()"] = dict.fromkeys(("actions", "step", "copy"), 0.0)
+        _timed(seconds, out["from_numpy().to()"], plain)
+        envs = TorchVectorEnv(env, device="cuda")
+    except BaseException:
+        env.close(terminate=True)
+        raise
+    try:
+        envs.reset(seed=0)
+        packer = envs._packer
+
+        def bridge(p: dict[str, float]) -> None:
+            t0 = time.perf_counter()
+            assert envs._write_actions(actions)
+            t1 = time.perf_counter()
+            res = list(envs._handoff.step_written()[:4])
+            t2 = time.perf_counter()
+            span = packer.span(res)
+            t3 = time.perf_counter()
+            converted = envs._convert(envs._result_slot(), *res)
+            sync()
+            t4 = time.perf_counter()
+            p["actions"] += t1 - t0
+            p["step"] += t2 - t1
+            p["span"] += t3 - t2
+            p["copy"] += t4 - t3
+            del span, converted
+
+        def whole(p: dict[str, float]) -> None:
+            t0 = time.perf_counter()
+            obs = envs.step(actions)[0]
+            sync()
+            p["step+copy"] += time.perf_counter() - t0
+            del obs
+
+        out["env alone, pinned"] = {"step": 0.0}
+        _timed(seconds, out["env alone, pinned"], env_alone)
+        out["TorchVectorEnv"] = dict.fromkeys(("actions", "step", "span", "copy"), 0.0)
+        _timed(seconds, out["TorchVectorEnv"], bridge)
+        out["TorchVectorEnv.step whole"] = {"step+copy": 0.0}
+        _timed(seconds, out["TorchVectorEnv.step whole"], whole)
+    finally:
+        envs.close()
+    return out
+
+
+def profile(workload: str = "cartpole", num_envs: int = 64, steps: int = 300) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    env = shmvec.ShmVectorEnv([WORKLOADS[workload]] * num_envs, copy=False)
+    envs = None
+    try:
+        env.reset(seed=0)
+        actions = torch.zeros(num_envs, dtype=torch.int64, device="cuda")
+        result = env.step(actions.cpu().numpy())[:4]
+
+        def plain() -> None:
+            nonlocal result
+            on_device = [torch.from_numpy(a).to("cuda") for a in result]
+            on_device[0].flatten(1)[:, :64].float().sum(dim=1)
+            torch.cuda.synchronize()
+            result = env.step(actions.cpu().numpy())[:4]
+
+        envs = TorchVectorEnv(env, device="cuda")
+        obs = envs.reset(seed=0)[0]
+
+        def bridge() -> None:
+            nonlocal obs
+            obs.flatten(1)[:, :64].float().sum(dim=1)
+            torch.cuda.synchronize()
+            obs = envs.step(actions)[0]
+
+        for name, step in (("TorchVectorEnv", bridge), ("from_numpy().to()", plain)):
+            for _ in range(50):
+                step()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                took = (time.perf_counter() - start) / steps * 1e6
+            print(f"\n{workload} x{num_envs}, {name}: {took:,.1f} µs per step under the profiler\n")
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+            print(table)
+    finally:
+        (envs or env).close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=1.0)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    if args.profile:
+        profile()
+        return
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
+    print("| host memory (16 MiB, written by the CPU before each copy) | H2D GB/s |\n|---|---:|")
+    for name, rate in bandwidths():
+        print(f"| {name} | {rate:.2f} |")
+    for workload, num_envs in CASES:
+        print(f"\n{workload} x{num_envs}: µs per step by phase (synchronized after each)\n")
+        print("| way | phases | total |\n|---|---|---:|")
+        for way, phases in phases_of(workload, num_envs, args.seconds).items():
+            cells = ", ".join(f"{k} {v:,.1f}" for k, v in phases.items())
+            print(f"| {way} | {cells} | {sum(phases.values()):,.1f} |")
+
+
+if __name__ == "__main__":
+    main()
