@@ -227,8 +227,9 @@ class RoundDriver:
             except WorkerDiedError as error:
                 if not supervisor.restart_on_death or name == "close":
                     raise
-                self._replaced(error.worker, supervisor.replace_worker(error.worker))
-                restarted[error.worker] = error
+                for index, message in supervisor.replace_dead(error.worker).items():
+                    self._replaced(index, message)
+                    restarted.setdefault(index, error)
         if restarted and self.kind not in (None, STEP, RESET):
             died = next(iter(restarted.values()))
             add_note(died, f"the worker was restarted and its envs reset; `{name}` again")
