@@ -14,11 +14,11 @@ import pytest
 from gymnasium import spaces
 from helpers import open_pool
 
+from shmvec.codecs import make_codec
 from shmvec.engine.async_wire import AsyncWire
 from shmvec.engine.decoder import ResultDecoder
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.sync_wire import SyncWire
-from shmvec.layout import make_codec
 from shmvec.protocol import CALL, ENV_IDLE, ENV_RESET, ENV_STEP, RESET, SET_ATTR, STEP
 
 OBS_SPACE = spaces.Box(-1.0, 1.0, (3,), np.float32)

@@ -16,10 +16,10 @@ from helpers import open_pool
 
 import shmvec
 import shmvec.layout
+from shmvec.codecs import make_codec
 from shmvec.engine.async_wire import AsyncWire
 from shmvec.engine.decoder import ResultDecoder
 from shmvec.engine.supervisor import Supervisor
-from shmvec.layout import make_codec
 from shmvec.protocol import ENV_IDLE, ENV_STEP
 
 #: How long a result may take to arrive on a loaded machine before the test fails.

@@ -197,6 +197,13 @@ class WorkerPool:
             self.check_alive(index)  # raises WorkerDiedError
             raise
 
+    def send_spills(self, spills: dict[int, dict]) -> None:
+        """Sends each worker the spilled text of its envs' actions, by env."""
+        for index, rows in enumerate(self.blocks):
+            mine = {env: spill for env, spill in spills.items() if env in rows}
+            if mine:
+                self.send(index, "spills", mine)
+
     def _outbox(self, index: int) -> Outbox:
         """The outbox over worker ``index``'s current pipe."""
         pipe, outbox = self.pipes[index], self.outboxes.get(index)
