@@ -3,9 +3,10 @@
 This class is the gymnasium face: its state machine (``reset_async`` /
 ``reset_wait``, ``step_async`` / ``step_wait``, ``call`` ...) and the async API
 (``async_reset`` / ``send`` / ``recv``, whose sync-mode case is
-``VectorEnvBase``'s). Its arguments are checked in shmvec/options.py, actions
-written by shmvec/actions.py, and a device bridge reaches the ring through
-shmvec/handoff.py. The engine parts it composes live in shmvec/engine/
+``VectorEnvBase``'s). Its arguments are checked in shmvec/options.py, its
+workers started by shmvec/startup.py, actions written by shmvec/actions.py, and
+a device bridge reaches the ring through shmvec/handoff.py. The engine parts it
+composes live in shmvec/engine/
 (workers, rounds, supervision, the async ring, result decoding, stats); what
 crosses process boundaries is in shmvec/protocol.py.
 

@@ -205,6 +205,8 @@ def test_when_the_count_cannot_tell_which_row_is_in_both_are_written_again():
         1: {2: ("rewrite", *unpublished, ENV_STEP)},
     }
     assert wire.pool.row_messages[0] == {}  # replaced by the replacement's
+    # Main waits for both rows' new messages before it reads the slot.
+    assert wire.pool.slots[0].messages[:2].tolist() == [1, 1]
     assert wire.decoder.schemas[0] == {"x": 0}  # its columns learnt first
     # The slot fills once: one publish for the two rows.
     wire.ring.publish(0)

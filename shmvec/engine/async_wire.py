@@ -228,7 +228,11 @@ class AsyncWire:
         plans: dict[int, dict[int, tuple]] = {index: {} for index in dead}
         for env, (how, slot, row) in lost.deliver.items():
             index = int(self.env_worker[env])
-            pool.row_messages[index].pop((slot, row), None)  # a message it replaces
+            if how != "claim":
+                pool.row_messages[index].pop((slot, row), None)  # a message it replaces
+                # Main reads the row only once its new message came: a rewrite in
+                # a slot that another replacement's publish fills is not read half done.
+                pool.slots[slot].messages[row] = 1
             plans[index][env] = (how, slot, row, int(self.last_command[env]))
         for env, (slot, row) in lost.kept.items():
             index = int(self.env_worker[env])
