@@ -12,6 +12,7 @@ import pytest
 from gymnasium import spaces
 from helpers import open_pool
 
+import shmvec.engine.supervisor
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
 from shmvec.engine.supervisor import MAX_UNREADY_DEATHS, Supervisor
@@ -199,3 +200,18 @@ def test_a_worker_whose_replacements_keep_dying_unready_is_an_error():
     note = "\n".join(error.value.__notes__)
     assert f"its last {MAX_UNREADY_DEATHS} replacements died before they were ready" in note
     assert [e for e in log if e[0] == "replace"] == [("replace", 1)] * MAX_UNREADY_DEATHS
+
+
+def test_the_others_are_ready_before_a_given_up_worker_is_raised(monkeypatch):
+    """Worker 0's replacement dies unready once too often while worker 2's starts:
+    worker 2's ready message is read (none is left on its pipe to be taken for
+    a reply later) before the error is raised."""
+    monkeypatch.setattr(shmvec.engine.supervisor, "MAX_UNREADY_DEATHS", 1)
+    pool = _pool()
+    log: list = []
+    _replacing(pool, log, dies={0: 1})
+    supervisor = _supervisor(pool, WireStandIn(log), restart=True)
+    pool.workers[0].exitcode = pool.workers[2].exitcode = -9
+    with pytest.raises(WorkerDiedError, match=r"worker 0 "):
+        supervisor.replace_dead(2)
+    assert log[-2:] == [("ready", 2), ("restarted", 2)]

@@ -129,14 +129,17 @@ class Supervisor:
                 wire.resend(index)
                 self.stats.restarts += 1  # a death recovered, whether or not its replacement lives
             todo = set()
-            for index in sorted(plans):
+            given_up: WorkerDiedError | None = None
+            for index in sorted(plans):  # every one, so that no ready message is left unread
                 try:
                     ready[index] = pool.expect_ready(
                         index, f"while restarting shmvec worker {index};"
                     )
                 except WorkerDiedError as error:
-                    self._died_unready(index, error)
-                    todo.add(index)
+                    if self._died_unready(index, error):
+                        todo.add(index)
+                    else:
+                        given_up = given_up or error
                     continue
                 self.unready_deaths.pop(index, None)
                 wire.restarted(index)
@@ -145,6 +148,8 @@ class Supervisor:
                     "restarted worker %d (pid %d) for envs %d..%d",
                     index, pool.workers[index].pid, rows.start, rows.stop - 1,
                 )  # fmt: skip
+            if given_up is not None:
+                raise given_up
         return ready
 
     def _settle(self, dead: set[int]) -> set[int]:
@@ -164,9 +169,10 @@ class Supervisor:
                 pool.drain(index)
             time.sleep(0.0002)
 
-    def _died_unready(self, index: int, error: WorkerDiedError) -> None:
-        """Counts a replacement of worker ``index`` that died before it was ready;
-        raises ``error`` once that happened ``MAX_UNREADY_DEATHS`` times in a row."""
+    def _died_unready(self, index: int, error: WorkerDiedError) -> bool:
+        """Counts a replacement of worker ``index`` that died before it was ready:
+        True to replace it again; False (and a note on ``error``) once that
+        happened ``MAX_UNREADY_DEATHS`` times in a row."""
         deaths = self.unready_deaths[index] = self.unready_deaths.get(index, 0) + 1
         if deaths >= MAX_UNREADY_DEATHS:
             add_note(
@@ -174,5 +180,6 @@ class Supervisor:
                 f"its last {deaths} replacements died before they were ready (while "
                 "building and resetting their envs): shmvec does not restart it again",
             )
-            raise error
+            return False
         logger.warning("worker %d's replacement died before it was ready; replacing it", index)
+        return True
