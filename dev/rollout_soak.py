@@ -7,11 +7,21 @@ Workload: ``--envs`` text envs whose every step waits a lognormal time (median
 ``--median-ms``, sigma 1) drawn from a generator of the env's own (seeded from
 its reset seed and reset count, never from the trajectory's), raises with
 probability ``--fault``, sleeps an hour with probability ``--hang`` (ended by
-the vector env's ``step_deadline``), and a worker is SIGKILLed every
-``--kill-every`` seconds. The trainer takes ``--groups-per-batch`` groups per
-``get_batch`` in async mode with ``max_lag``, bumping the version each time.
+the vector env's ``step_deadline``); from a thread of its own, one worker is
+SIGKILLed every ``--kill-every`` seconds, two at the same instant every
+``--kill-two-every`` and every worker at once every ``--kill-all-every``. The
+trainer takes ``--groups-per-batch`` groups per ``get_batch`` in async mode
+with ``max_lag``, bumping the version each time, until ``--trajectories`` are
+handed over and ``--seconds`` have passed.
 
-Checks, each printed as PASS or FAIL: the trainer loop saw no exception; no task
+The OOM killer's kind of fault, several workers at once, for two and a half minutes:
+
+    python dev/rollout_soak.py --trajectories 0 --seconds 150 --envs 64 --workers 4 \\
+        --kill-every 0 --kill-two-every 4 --kill-all-every 30 --out soak.json
+
+Checks, each printed as PASS or FAIL: the trainer loop saw no exception; every
+worker killed was restarted (``stats()["worker_restarts"]``) and the
+trajectories they ran counted as ``worker_died``; no task
 lost (each is handed over, dropped with a reason, or still pending) and none
 handed over twice; every failure counted by reason (the ledger's identity is
 checked inside every ``get_batch``); every trajectory handed over within
@@ -81,16 +91,48 @@ def policy(batch):
     return tuple(random.choice(WORDS) for _ in range(len(batch)))
 
 
-def killer(envs, every_s: float, stop: threading.Event, kills: list) -> None:
-    """SIGKILLs a random worker every ``every_s`` seconds."""
-    chooser = random.Random(1)
-    while not stop.wait(every_s):
-        worker = chooser.choice(envs._pool.workers)
-        try:
-            os.kill(worker.pid, signal.SIGKILL)
-            kills.append(worker.pid)
-        except ProcessLookupError:
-            pass
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class Killer:
+    """SIGKILLs workers from its own thread, as the kernel's OOM killer would:
+    one random worker every ``one_s`` seconds, two at the same instant (one
+    tight loop of ``os.kill``) every ``two_s``, every worker at once every
+    ``all_s`` (0: never). Counts each process it killed while it ran."""
+
+    def __init__(self, envs, one_s: float, two_s: float, all_s: float) -> None:
+        self.envs, self.stop = envs, threading.Event()
+        self.every = {"one": one_s, "two": two_s, "all": all_s}
+        self.rounds = dict.fromkeys(self.every, 0)
+        self.killed: set[int] = set()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        chooser = random.Random(1)
+        start = time.monotonic()
+        due = {kind: start + s for kind, s in self.every.items() if s}
+        while due:
+            kind = min(due, key=due.get)
+            if self.stop.wait(max(due[kind] - time.monotonic(), 0.0)):
+                return
+            due[kind] += self.every[kind]
+            pids = [w.pid for w in list(self.envs._pool.workers)]
+            if kind != "all":
+                pids = chooser.sample(pids, min(len(pids), 1 if kind == "one" else 2))
+            pids = [pid for pid in pids if pid not in self.killed and _alive(pid)]
+            for pid in pids:  # one tight loop: the same instant
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                self.killed.add(pid)
+            self.rounds[kind] += 1
 
 
 def main(argv=None) -> int:
@@ -104,7 +146,30 @@ def main(argv=None) -> int:
     parser.add_argument("--fault", type=float, default=0.01)
     parser.add_argument("--hang", type=float, default=0.002)
     parser.add_argument("--deadline", type=float, default=2.0)
-    parser.add_argument("--kill-every", type=float, default=10.0)
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=0.0,
+        help="run at least this long, whatever --trajectories says",
+    )
+    parser.add_argument(
+        "--kill-every",
+        type=float,
+        default=10.0,
+        help="kill one random worker this often (0: never)",
+    )
+    parser.add_argument(
+        "--kill-two-every",
+        type=float,
+        default=0.0,
+        help="kill two workers at the same instant this often (0: never)",
+    )
+    parser.add_argument(
+        "--kill-all-every",
+        type=float,
+        default=0.0,
+        help="kill every worker at once this often (0: never)",
+    )
     parser.add_argument("--max-lag", type=int, default=1)
     parser.add_argument("--on-stale", default="wait")
     parser.add_argument("--max-retries", type=int, default=3)
@@ -134,13 +199,13 @@ def main(argv=None) -> int:
     rollouts = Rollouts(envs, policy, group_size=g, tasks=tasks, max_lag=args.max_lag,
                         on_stale=args.on_stale, groups_per_batch=n,
                         max_retries=args.max_retries)  # fmt: skip
-    stop, kills = threading.Event(), []
-    threading.Thread(target=killer, args=(envs, args.kill_every, stop, kills), daemon=True).start()
+    killer = Killer(envs, args.kill_every, args.kill_two_every, args.kill_all_every)
+    killer.thread.start()
     handed, seen_seeds, lag_violations, trainer_errors = [], set(), 0, []
     duplicates = 0
     started = time.monotonic()
     try:
-        while len(handed) < groups_wanted:
+        while len(handed) < groups_wanted or time.monotonic() - started < args.seconds:
             try:
                 batch = rollouts.get_batch(n, timeout=600)
             except Exception as error:  # noqa: BLE001 - a check: the trainer must see none
@@ -155,11 +220,17 @@ def main(argv=None) -> int:
             handed += batch
             rollouts.set_version(rollouts.version + 1)
             if len(handed) % (10 * n) == 0:
-                print(f"{len(handed) * g}/{args.trajectories} trajectories", file=sys.stderr)
+                print(
+                    f"{len(handed) * g}/{args.trajectories} trajectories, "
+                    f"{time.monotonic() - started:.0f} s, {len(killer.killed)} workers killed",
+                    file=sys.stderr,
+                )
     finally:
-        stop.set()
+        killer.stop.set()
+        killer.thread.join()
         wall = time.monotonic() - started
         stats = rollouts.stats()
+        engine_stats = envs.stats()
         rollouts.close()
         envs.close(terminate=True)
     print(file=sys.stderr)
@@ -180,8 +251,12 @@ def main(argv=None) -> int:
         stats["groups_delivered"] + sum(stats["groups_dropped"].values()) + pending
         == stats["groups_submitted"]
     )
+    kills = len(killer.killed)
     checks = {
         "trainer saw no exception": not trainer_errors,
+        f"every worker killed ({kills}) was restarted": engine_stats["worker_restarts"] == kills,
+        "the trajectories they ran were counted as worker_died": kills == 0
+        or stats["dropped"].get("worker_died", 0) > 0,
         "no task lost (handed over + dropped + pending == submitted)": accounted,
         "no task handed over twice": duplicates == 0,
         "attempts: launched == completed + dropped + in flight": stats["launched"]
@@ -196,7 +271,9 @@ def main(argv=None) -> int:
         "wall_s": wall,
         "trajectories_handed_over": len(trajectories),
         "retried_handed_over": len(retried),
-        "workers_killed": len(kills),
+        "workers_killed": kills,
+        "kill_rounds": killer.rounds,
+        "worker_restarts": engine_stats["worker_restarts"],
         "stats": stats,
         "checks": checks,
         "errors": trainer_errors,
@@ -205,7 +282,8 @@ def main(argv=None) -> int:
     for name, ok in checks.items():
         print(("PASS " if ok else "FAIL ") + name)
     print(
-        f"{len(trajectories)} trajectories in {wall:.1f} s; {len(kills)} workers killed; "
+        f"{len(trajectories)} trajectories in {wall:.1f} s; {kills} workers killed "
+        f"(rounds: {killer.rounds}), {engine_stats['worker_restarts']} restarted; "
         f"dropped attempts {stats['dropped']}; groups dropped {stats['groups_dropped']}; "
         f"retries {stats['retries']}"
     )

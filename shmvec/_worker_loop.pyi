@@ -6,7 +6,8 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
-from shmvec.layout import Codec, SlotViews
+from shmvec.codecs import Codec
+from shmvec.layout import SlotViews
 
 # A result, as Stepper.advance returns it: (obs, reward, terminated, truncated,
 # infos to merge or None).

@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 
 from shmvec.batching import check_actions
-from shmvec.layout import ArrayCodec, Codec, PickledCodec, Spills
+from shmvec.codecs import ArrayCodec, Codec, PickledCodec, Spills
 
 __all__ = ["ActionWriter"]
 

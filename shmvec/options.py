@@ -17,7 +17,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import batch_differing_spaces, batch_space
 
-from shmvec.layout import TEXT_BYTES, check_text_bytes
+from shmvec.codecs import TEXT_BYTES, check_text_bytes
 from shmvec.spin import SpinPolicy, available_cpus, default_pinning, default_spin, fixed_spin
 from shmvec.worker import check_env
 

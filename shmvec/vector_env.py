@@ -3,9 +3,10 @@
 This class is the gymnasium face: its state machine (``reset_async`` /
 ``reset_wait``, ``step_async`` / ``step_wait``, ``call`` ...) and the async API
 (``async_reset`` / ``send`` / ``recv``, whose sync-mode case is
-``VectorEnvBase``'s). Its arguments are checked in shmvec/options.py, actions
-written by shmvec/actions.py, and a device bridge reaches the ring through
-shmvec/handoff.py. The engine parts it composes live in shmvec/engine/
+``VectorEnvBase``'s). Its arguments are checked in shmvec/options.py, its
+workers started by shmvec/startup.py, actions written by shmvec/actions.py, and
+a device bridge reaches the ring through shmvec/handoff.py. The engine parts it
+composes live in shmvec/engine/
 (workers, rounds, supervision, the async ring, result decoding, stats); what
 crosses process boundaries is in shmvec/protocol.py.
 
@@ -55,17 +56,16 @@ from shmvec.batching import (
     check_reset_mask,
     expand_options,
     expand_seeds,
-    split_blocks,
     take_reset_mask,
 )
-from shmvec.engine import EngineOptions, SetupError, Stats, build_engine
+from shmvec.codecs import TEXT_BYTES, make_codec
+from shmvec.engine import EngineOptions, Stats
 from shmvec.engine.async_engine import AsyncEngine
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.rounds import RoundDriver
-from shmvec.engine.waiting_check import WaitingCheck
 from shmvec.errors import WorkerDiedError
 from shmvec.handoff import ResultHandoff
-from shmvec.layout import TEXT_BYTES, Spills, lease_regions, make_codec
+from shmvec.layout import lease_regions
 from shmvec.options import (
     TuningOptions,
     check_env_fns,
@@ -75,15 +75,12 @@ from shmvec.options import (
 )
 from shmvec.protocol import (
     AUTORESET_CODES,
-    BY_VALUE_BIT,
-    CALL,
     CLOSE,
     CLOSE_GRACE_S,
     ENV_STEP,
-    SET_ATTR,
-    STEP,
 )
-from shmvec.spin import Spin
+from shmvec.spin import NO_SPIN
+from shmvec.startup import start_workers
 from shmvec.worker import WorkerSpec
 
 logger = logging.getLogger("shmvec")
@@ -245,39 +242,18 @@ class ShmVectorEnv(VectorEnvBase):
         self._state = AsyncState.DEFAULT
         self._sync_reset_pending = False  # async_reset() in sync mode: recv() waits for it
         self._stats = Stats()
-        try:
-            self._start(sizes.num_workers, step_in_main)
-        except SetupError as error:
-            if fallback != "serial":
-                raise RuntimeError(
-                    f"{error}. Pass fallback='serial' to run every env in the main process instead."
-                ) from error.__cause__
-            logger.warning("%s: running every env in the main process (fallback='serial')", error)
-            if self.step_deadline is not None:
-                logger.warning("step_deadline is not kept for envs in the main process")
-            self._start(0, True)
-        self.closed = False
-
-    def _start(self, num_workers: int, step_in_main: bool) -> None:
-        """Builds the engine. ``num_workers=0``: one worker, in this process."""
-        self.in_process = num_workers == 0
-        self.step_in_main = self.in_process or bool(step_in_main)
-        self.num_workers = max(num_workers, 1)
-        self._env_blocks = split_blocks(self.num_envs, self.num_workers)
-        tuning = self._tuning
-        self.env_concurrency = tuning.per_worker_concurrency(self.max_concurrency, self.num_workers)
-        processes = self.num_workers - 1 if self.step_in_main else self.num_workers
-        spin = tuning.spin(processes)
-        self.pin_workers = tuning.pinning(processes, self.is_async)
         options = EngineOptions(
-            copy=self._copy, context=self.context, daemon=self.daemon,
-            step_in_main=self.step_in_main, in_process=self.in_process,
-            env_timeout=self.env_timeout, restart_on_death=self.on_worker_death == "restart",
+            copy=copy, context=context, daemon=daemon, env_timeout=env_timeout,
+            restart_on_death=on_worker_death == "restart",
         )  # fmt: skip
-        engine = build_engine(
-            _worker_spec(self, spin.worker), self.env_fns, self._env_blocks,
-            self._obs_codec, self._stats, spin, options,
+        started = start_workers(
+            _worker_spec(self), env_fns, tuning, options, self._obs_codec, self._stats,
+            sizes.num_workers, self.max_concurrency,
         )  # fmt: skip
+        self.num_workers, self._env_blocks = started.num_workers, started.blocks
+        self.in_process, self.step_in_main = started.in_process, started.step_in_main
+        self.env_concurrency, self.pin_workers = started.env_concurrency, started.pin_workers
+        engine = started.engine
         self._pool, self._decoder, self._rounds = engine.pool, engine.decoder, engine.rounds
         self._async = engine.async_engine
         self._action_views = self._pool.action_views  # the short path's, one lookup fewer
@@ -286,9 +262,7 @@ class ShmVectorEnv(VectorEnvBase):
             self._action_codec, self._action_views, spaces, self.validate_actions
         )
         self._slots = self._pool.slots
-        if self.env_concurrency in (None, 1) and not self.in_process:
-            block_size = max(len(block) for block in self._env_blocks)
-            self._stats.watch(WaitingCheck(self._pool, block_size))
+        self.closed = False
 
     # ------------------------------------------------------------------ reset
 
@@ -314,16 +288,8 @@ class ShmVectorEnv(VectorEnvBase):
         """Waits for the reset sent by ``reset_async``; returns ``(obs, infos)``."""
         self._assert_waiting(AsyncState.WAITING_RESET, "reset_wait", "reset_async")
         messages = self._finish(timeout, "reset_wait")
-        rounds = self._rounds
-        slot = rounds.slot
-        infos = self._decoder.batch_infos(slot, messages)
-        mask = rounds.reset_mask
-        if mask is not None and not mask.all():
-            previous = rounds.obs_views((slot - 1) % rounds.ring_depth)
-            self._decoder.carry_over_obs(~mask, rounds.obs_views(slot), previous)
-        self.observations = obs = rounds.read_obs(messages)
-        self._note_deadlines(infos)
-        return obs, infos
+        self.observations, infos = self._rounds.reset_result(messages)
+        return self.observations, infos
 
     # ------------------------------------------------------------------- step
 
@@ -342,21 +308,10 @@ class ShmVectorEnv(VectorEnvBase):
         per_env, spills = (
             self._actions.write_batch(actions, self.num_envs) if write else (None, None)
         )
-        if per_env is not None:
-            rounds.send_blocks("actions", per_env)
-        rounds.post(
-            STEP, rounds.obs_arg(rounds.next_slot()) | (0 if per_env is None else BY_VALUE_BIT)
-        )
+        rounds.post_step(per_env)
         if spills:  # after the post: a worker reads them as it steps (no full pipe waits)
-            self._send_spills(spills)
+            self._pool.send_spills(spills)
         self._state = AsyncState.WAITING_STEP
-
-    def _send_spills(self, spills: Spills) -> None:
-        """Sends each worker the spilled text of its envs' actions, by env."""
-        for index, rows in enumerate(self._env_blocks):
-            mine = {env: spill for env, spill in spills.items() if env in rows}
-            if mine:
-                self._pool.send(index, "spills", mine)
 
     def step_wait(
         self, timeout: float | None = None
@@ -364,15 +319,9 @@ class ShmVectorEnv(VectorEnvBase):
         """Waits for the step started by ``step_async``."""
         if self.closed or self._state is not AsyncState.WAITING_STEP:
             self._assert_waiting(AsyncState.WAITING_STEP, "step_wait", "step_async")
-        messages = self._finish(timeout, "step_wait")
-        decoder, slot = self._decoder, self._rounds.slot
-        infos = decoder.batch_infos(slot, messages)
-        if "env_error" in infos:
-            self._stats.note_env_resets(infos, np.arange(self.num_envs))
-        self._note_deadlines(infos)
-        self._stats.count(self.num_envs, decoder.ended(slot))
-        self.observations = obs = self._rounds.read_obs(messages)
-        return (obs, *decoder.outcomes(slot), infos)
+        result = self._rounds.step_result(self._finish(timeout, "step_wait"))
+        self.observations = result[0]
+        return result
 
     def step(self, actions: ArrayType):
         """Steps every env; see ``gymnasium.vector.VectorEnv.step``.
@@ -420,17 +369,9 @@ class ShmVectorEnv(VectorEnvBase):
             obs = rounds.read_obs({})
         self.observations = obs
         infos = decoder.batch_infos(slot, {})
-        if self.step_deadline is not None:  # a numeric info: the round was clean
-            self._note_deadlines(infos)
+        if self.step_deadline is not None and "step_deadline" in infos:  # a clean round's column
+            self._stats.note_block_deadlines(infos, self._env_blocks)
         return (obs, *decoder.outcomes(slot), infos)
-
-    def _note_deadlines(self, infos: dict[str, Any]) -> None:
-        """Sync mode: counts the envs replaced after ``step_deadline`` (``stats()``)."""
-        if "step_deadline" in infos:
-            workers = np.repeat(
-                np.arange(len(self._env_blocks)), [len(b) for b in self._env_blocks]
-            )
-            self._stats.note_deadlines(infos, np.arange(self.num_envs), workers)
 
     # ------------------------------------------------------------------ async
 
@@ -444,7 +385,7 @@ class ShmVectorEnv(VectorEnvBase):
         env_ids = engine.send_env_ids(env_ids)
         spills = self._actions.write_rows(env_ids, actions)
         if spills:  # before the command, as a reset's seed: the worker waits for them
-            self._send_spills(spills)
+            self._pool.send_spills(spills)
         engine.start_envs(env_ids, ENV_STEP)
 
     def _recv(
@@ -465,9 +406,7 @@ class ShmVectorEnv(VectorEnvBase):
         self._assert_is_running()
         self._assert_idle("call_async")
         self._rounds.finish_unfinished()
-        for index in range(self.num_workers):
-            self._pool.send(index, "call", (name, args, kwargs))
-        self._rounds.post(CALL)
+        self._rounds.post_call(name, args, kwargs)
         self._state = AsyncState.WAITING_CALL
 
     def call_wait(self, timeout: float | None = None) -> tuple[Any, ...]:
@@ -487,8 +426,7 @@ class ShmVectorEnv(VectorEnvBase):
         values = self._attr_values(values)
         self._assert_idle("set_attr")
         self._rounds.finish_unfinished()
-        self._rounds.send_blocks("set_attr", list(values), lambda block: (name, block))
-        self._rounds.post(SET_ATTR)
+        self._rounds.post_set_attr(name, list(values))
         self._state = AsyncState.WAITING_CALL
         self._finish(None, "set_attr")
 
@@ -576,20 +514,20 @@ def _stop_engine(
     pool.release()
 
 
-def _worker_spec(env: ShmVectorEnv, spin: Spin) -> WorkerSpec:
-    """What every worker of ``env`` shares (``index`` and its envs come later)."""
+def _worker_spec(env: ShmVectorEnv) -> WorkerSpec:
+    """What every worker of ``env`` shares (``index`` and its envs come later,
+    where each env runs from ``shmvec.startup``)."""
     mode = env.observation_mode if isinstance(env.observation_mode, str) else "custom"
     return WorkerSpec(
         index=0, first_env=0, env_fns=[], num_envs=env.num_envs,
-        num_workers=env.num_workers, num_slots=env.ring_depth, batch_size=env.batch_size,
+        num_workers=1, num_slots=env.ring_depth, batch_size=env.batch_size,
         observation_space=env.single_observation_space,
         action_space=env.single_action_space, observation_mode=mode,
         shared_memory=env.shared_memory,
-        autoreset_mode=AUTORESET_CODES[env.autoreset_mode], spin=spin,
+        autoreset_mode=AUTORESET_CODES[env.autoreset_mode], spin=NO_SPIN,
         main_pid=os.getpid(),
         use_death_signal=threading.current_thread() is threading.main_thread(),
-        on_env_error=env.on_env_error,
-        env_concurrency=env.env_concurrency, pin_cpu=env.pin_workers, text_bytes=env.text_bytes,
+        on_env_error=env.on_env_error, text_bytes=env.text_bytes,
         step_deadline=env.step_deadline,
         obs_regions=lease_regions(
             env._obs_codec.columns(), env.batch_size, env.ring_depth if env.is_async else 0

@@ -22,7 +22,7 @@ from shmvec.protocol import ENV_RESET, RESET, SLOT_MASK, STEP
 @dataclass(frozen=True)
 class RoundRecovery:
     """Sync mode: a replacement redoes its part of the round its predecessor
-    died in (``SyncWire.recover``)."""
+    died in (the main process's ``engine.sync_wire.SyncWire.recovery``)."""
 
     kind: int  # the round's command: STEP, RESET, or CALL for any other
     arg: int  # the round's arg (ring slot and observation region)
@@ -30,8 +30,10 @@ class RoundRecovery:
 
 @dataclass(frozen=True)
 class EnvRecovery:
-    """Async mode: each env of the block whose result died with the old worker,
-    mapped to ``(how, slot, row, command)`` (``AsyncWire.recover``)."""
+    """Async mode: each env of the block whose result died with the old worker
+    (or with a replacement that died before it was ready), mapped to ``(how,
+    slot, row, command)`` (the main process's
+    ``engine.async_wire.AsyncWire.recovery_plans``)."""
 
     lost: dict[int, tuple[str, int, int, int]]
 

@@ -28,9 +28,10 @@ import cloudpickle
 import numpy as np
 
 from shmvec import _core, _worker_loop
+from shmvec.codecs import TEXT_BYTES, make_codec
 from shmvec.concurrent_envs import ConcurrentEnvs
 from shmvec.errors import StepDeadlineExceeded, add_note
-from shmvec.layout import TEXT_BYTES, make_codec, make_layout
+from shmvec.layout import make_layout
 from shmvec.outbox import Outbox
 from shmvec.protocol import (
     AUTORESET_SAME_STEP,
@@ -85,7 +86,7 @@ class WorkerSpec:
     # Lease regions in the segment (shmvec.layout.lease_regions; async mode: one
     # more per ring slot).
     obs_regions: int = 0
-    # Inline UTF-8 bytes of each UnboundedText row (shmvec.layout.Utf8TextCodec).
+    # Inline UTF-8 bytes of each UnboundedText row (shmvec.codecs.Utf8TextCodec).
     text_bytes: int = TEXT_BYTES
     # Seconds one env's step or reset may take before it is ended as truncated
     # and the env replaced (Worker.deadline_result); None: no deadline. Only

@@ -31,7 +31,7 @@ PYCON_BLOCK = re.compile(r"^```pycon\n(.*?)^```", re.M | re.S)
 MODULES = {
     "shmvec.vector_env": None,
     "shmvec.registration": None,
-    "shmvec.layout": None,
+    "shmvec.codecs": None,
     "shmvec.torch": "torch",
     "shmvec.sb3": "stable_baselines3",
     "shmvec.ray": "ray",

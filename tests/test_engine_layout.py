@@ -7,7 +7,8 @@ import pytest
 from gymnasium import spaces
 
 from shmvec import _core
-from shmvec.layout import CACHE_LINE, PAGE, SegmentLayout, WordBytes, lease_regions, make_codec
+from shmvec.codecs import make_codec
+from shmvec.layout import CACHE_LINE, PAGE, SegmentLayout, WordBytes, lease_regions
 
 
 def _words(num_slots: int) -> WordBytes:

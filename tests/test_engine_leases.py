@@ -8,8 +8,9 @@ import numpy as np
 from gymnasium import spaces
 
 from shmvec import _core
+from shmvec.codecs import make_codec
 from shmvec.engine.leases import ObsLeases
-from shmvec.layout import SegmentLayout, WordBytes, make_codec
+from shmvec.layout import SegmentLayout, WordBytes
 
 WORDS = WordBytes(_core.StepBarrier.nbytes, _core.ResultRing.nbytes(2), _core.Doorbell.nbytes)
 

@@ -44,6 +44,9 @@ class ProcessStandIn:
         self.pid = pid
         self.exitcode: int | None = None
 
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
 
 class PoolStandIn:
     """The workers of 6 envs in 3 blocks; ``dies`` is raised once by the next
@@ -72,6 +75,12 @@ class PoolStandIn:
         return self.replies[index].pop(0)
 
     def run_main_worker(self) -> None:
+        pass
+
+    def dead_workers(self) -> set[int]:
+        return {i for i, p in enumerate(self.workers) if p.exitcode is not None}
+
+    def drain(self, index: int) -> None:
         pass
 
     def check_all_alive(self) -> None:
@@ -113,7 +122,7 @@ def test_post_reset_sends_each_worker_its_block_and_posts_into_the_next_slot():
     seeds, options, block_mask = pool.sent[1][2]
     assert (seeds, options, block_mask.tolist()) == ([12, 13], [{"o": 2}, {"o": 3}], [True, True])
     assert pool.barrier.posts == [(RESET, 1)] and rounds.slot == 1
-    assert wire.recovery(0, frozenset()) == (RESET, 1)
+    assert wire.recovery({0}, frozenset()) == {0: (RESET, 1)}
     assert rounds.reset_mask.tolist() == mask.tolist() and rounds.reset_mask is not mask
 
 
@@ -129,7 +138,7 @@ def test_a_clean_step_round_needs_no_finish():
     rounds, pool, wire = _rounds()
     assert rounds.step_round() is True
     assert pool.barrier.posts == [(STEP, 1)]
-    assert wire.recovery(0, frozenset()) == (STEP, 1)
+    assert wire.recovery({0}, frozenset()) == {0: (STEP, 1)}
     pool.barrier.flagged = 1  # a worker flagged a message: finish() reads it
     assert rounds.step_round() is False
 

@@ -12,9 +12,10 @@ import pytest
 from gymnasium import spaces
 from helpers import open_pool
 
+import shmvec.engine.supervisor
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
-from shmvec.engine.supervisor import Supervisor
+from shmvec.engine.supervisor import MAX_UNREADY_DEATHS, Supervisor
 from shmvec.errors import WorkerDiedError
 
 
@@ -43,9 +44,12 @@ class WireStandIn:
         self.log.append(("stuck_workers", env_timeout))
         return self.stuck
 
-    def recovery(self, dead: int, read) -> tuple:
-        self.log.append(("recovery", dead, set(read)))
-        return ("plan for", dead)
+    def busy_workers(self, dead) -> list[int]:
+        return []
+
+    def recovery(self, dead, read) -> dict:
+        self.log.append(("recovery", set(dead), set(read)))
+        return {index: ("plan for", index) for index in dead}
 
     def resend(self, index: int) -> None:
         self.log.append(("resend", index))
@@ -110,30 +114,104 @@ def test_no_env_timeout_asks_nothing_and_kills_nothing():
     assert log == [] and pool.workers[0].exitcode is None
 
 
-def test_replace_worker_restores_what_the_wire_says_in_order():
-    pool = _pool()
-    log: list = []
-    replaced = {}
+def _replacing(pool, log: list, dies: dict[int, int] | None = None) -> dict:
+    """Has ``pool.replace`` and ``pool.expect_ready`` log what they are asked;
+    worker i's next ``dies[i]`` replacements die before they are ready."""
+    replaced: dict = {}
+    dies = dict(dies or {})
 
     def replace(index, **changes):
         log.append(("replace", index))
-        replaced.update(changes)
+        replaced[index] = changes
+        pool.workers[index] = ProcessStandIn(2000 + index)
 
-    pool.replace = replace
-    pool.expect_ready = lambda index, who: log.append(("ready", index)) or {"ready": 1}
+    def expect_ready(index, who):
+        log.append(("ready", index))
+        if dies.get(index, 0):
+            dies[index] -= 1
+            pool.workers[index].exitcode = -9
+            pool.check_alive(index)
+        return {"ready": pool.workers[index].pid}
+
+    pool.replace, pool.expect_ready = replace, expect_ready
+    pool.drain = lambda index: None
+    return replaced
+
+
+def test_replace_dead_restores_what_the_wire_says_in_order():
+    pool = _pool()
+    log: list = []
+    replaced = _replacing(pool, log)
     supervisor = _supervisor(pool, WireStandIn(log), restart=True)
-    message = supervisor.replace_worker(2, {(0, 1)})
+    pool.workers[2].exitcode = -9
+    messages = supervisor.replace_dead(2, {(0, 1)})
     assert log == [
-        ("recovery", 2, {(0, 1)}),
+        ("recovery", {2}, {(0, 1)}),
         ("replace", 2),
         ("resend", 2),
         ("ready", 2),
         ("restarted", 2),
     ]
-    assert replaced == {
+    assert replaced[2] == {
         "generation": pool.barrier.generation,
         "recover": ("plan for", 2),
         "info_schema": {"key2": 2},  # the dead worker's info columns, kept
     }
-    assert message == {"ready": 1}
+    assert messages == {2: {"ready": 2002}}
     assert supervisor.stats.restarts == 1
+
+
+def test_every_worker_dead_by_then_is_replaced_together():
+    pool = _pool()
+    log: list = []
+    _replacing(pool, log)
+    supervisor = _supervisor(pool, WireStandIn(log), restart=True)
+    for process in pool.workers:
+        process.exitcode = -9
+    messages = supervisor.replace_dead(1)
+    assert log[0] == ("recovery", {0, 1, 2}, set())  # one plan for all three
+    assert sorted(messages) == [0, 1, 2] and supervisor.stats.restarts == 3
+    assert [p.exitcode for p in pool.workers] == [None] * 3
+
+
+def test_a_replacement_that_dies_before_it_is_ready_is_replaced_again():
+    pool = _pool()
+    log: list = []
+    _replacing(pool, log, dies={0: 2})
+    supervisor = _supervisor(pool, WireStandIn(log), restart=True)
+    pool.workers[0].exitcode = pool.workers[1].exitcode = -9
+    messages = supervisor.replace_dead(0)
+    recoveries = [entry for entry in log if entry[0] == "recovery"]
+    assert recoveries == [("recovery", {0, 1}, set()), ("recovery", {0}, set()),
+                          ("recovery", {0}, set())]  # fmt: skip
+    assert sorted(messages) == [0, 1]
+    assert supervisor.stats.restarts == 4  # each death: two, then two of the replacements
+    assert ("restarted", 1) in log and log[-1] == ("restarted", 0)
+
+
+def test_a_worker_whose_replacements_keep_dying_unready_is_an_error():
+    pool = _pool()
+    log: list = []
+    _replacing(pool, log, dies={1: MAX_UNREADY_DEATHS})
+    supervisor = _supervisor(pool, WireStandIn(log), restart=True)
+    pool.workers[1].exitcode = -9
+    with pytest.raises(WorkerDiedError, match=r"worker 1 ") as error:
+        supervisor.replace_dead(1)
+    note = "\n".join(error.value.__notes__)
+    assert f"its last {MAX_UNREADY_DEATHS} replacements died before they were ready" in note
+    assert [e for e in log if e[0] == "replace"] == [("replace", 1)] * MAX_UNREADY_DEATHS
+
+
+def test_the_others_are_ready_before_a_given_up_worker_is_raised(monkeypatch):
+    """Worker 0's replacement dies unready once too often while worker 2's starts:
+    worker 2's ready message is read (none is left on its pipe to be taken for
+    a reply later) before the error is raised."""
+    monkeypatch.setattr(shmvec.engine.supervisor, "MAX_UNREADY_DEATHS", 1)
+    pool = _pool()
+    log: list = []
+    _replacing(pool, log, dies={0: 1})
+    supervisor = _supervisor(pool, WireStandIn(log), restart=True)
+    pool.workers[0].exitcode = pool.workers[2].exitcode = -9
+    with pytest.raises(WorkerDiedError, match=r"worker 0 "):
+        supervisor.replace_dead(2)
+    assert log[-2:] == [("ready", 2), ("restarted", 2)]

@@ -16,10 +16,10 @@ from helpers import open_pool
 
 import shmvec
 import shmvec.layout
+from shmvec.codecs import make_codec
 from shmvec.engine.async_wire import AsyncWire
 from shmvec.engine.decoder import ResultDecoder
 from shmvec.engine.supervisor import Supervisor
-from shmvec.layout import make_codec
 from shmvec.protocol import ENV_IDLE, ENV_STEP
 
 #: How long a result may take to arrive on a loaded machine before the test fails.
@@ -384,13 +384,13 @@ def test_a_worker_killed_while_a_padded_slot_is_pending(where, monkeypatch):
     counts = Counts(n)
     one = np.ones(1, dtype=np.int64)
     padding_at_restart = []
-    replace_worker = Supervisor.replace_worker
+    replace_dead = Supervisor.replace_dead
 
     def noting_padding(self, dead, read=frozenset()):
         padding_at_restart.append(envs._async.wire.padding)
-        return replace_worker(self, dead, read)
+        return replace_dead(self, dead, read)
 
-    monkeypatch.setattr(Supervisor, "replace_worker", noting_padding)
+    monkeypatch.setattr(Supervisor, "replace_dead", noting_padding)
     try:
         envs.async_reset(seed=0)
         for _ in range(n // batch):
@@ -480,7 +480,7 @@ def test_recovery_counts_no_padding_as_a_published_row():
     wire.pad(0, 2)
     _deliver(wire, 2)
     hole = _deliver(wire, 0, publish=False)
-    assert wire.recovery_plan(0, frozenset()) == {0: ("hole", *hole, ENV_STEP)}
+    assert wire.recovery_plans({0}, frozenset()) == {0: {0: ("hole", *hole, ENV_STEP)}}
     # With the hole filled, the slot is full with the two real rows.
     wire.ring.publish(hole[0])
     assert wire.ring.wait_full(0, 0)

@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from shmvec import ShmVectorEnv
-from shmvec.layout import ArrayCodec, DictCodec, TextCodec, TupleCodec, make_codec
+from shmvec.codecs import ArrayCodec, DictCodec, TextCodec, TupleCodec, make_codec
 
 pytestmark = [
     pytest.mark.timeout(300),

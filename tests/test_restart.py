@@ -8,6 +8,7 @@ No test asserts a duration: a hang is caught by pytest-timeout instead.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import signal
 import time
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import assert_same
-from rollout_envs import TaskEnv
+from rollout_envs import TaskEnv, obs_policy
 
 import shmvec.engine.async_engine
 import shmvec.layout
@@ -190,11 +191,13 @@ class Transitions:
         self.sent = np.zeros(n, dtype=np.int64)
         self.received = np.zeros(n, dtype=np.int64)
         self.restarted: set[int] = set()  # envs that delivered a worker_restarted result
+        self.restarts = dict.fromkeys(range(n), 0)  # how many each delivered
 
     def check(self, obs, rewards, terminations, truncations, infos) -> None:
         restarted = infos.get("_worker_restarted", np.zeros(len(obs), dtype=bool))
         for row, e in enumerate(infos["env_id"].tolist()):
             self.received[e] += 1
+            self.restarts[e] += int(restarted[row])
             if e not in self.last:  # its reset (by a replacement or not)
                 assert obs[row, 0] == 0 and not truncations[row], (e, obs[row])
             elif restarted[row]:  # a fresh env ends the episode its worker lost
@@ -250,7 +253,7 @@ def test_async_random_kills_lose_and_duplicate_no_transition(step_in_main, obs_l
             if t >= 300 and kills >= 10 and alive:  # deaths are noticed within 0.1 s
                 break
             t += 1
-            if alive and rng.random() < 0.07:  # one death at a time (see README)
+            if alive and rng.random() < 0.07:  # one death here; several: below
                 kill(envs, int(rng.integers(1 if step_in_main else 0, 4)))
                 kills += 1
             run.step(envs, rng)
@@ -354,6 +357,162 @@ def test_async_death_during_a_call_restarts_then_raises():
             run.step(envs, rng)
         run.drain(envs)
         assert envs.stats()["worker_restarts"] == 1
+    finally:
+        envs.close()
+
+
+# ------------------------------------------------ several workers dead at once
+
+
+def kill_at_once(envs: ShmVectorEnv, indices) -> list[int]:
+    """SIGKILLs workers ``indices`` in one tight loop, then waits until each is
+    gone (so that none finishes a step posted after its kill): the env ids of
+    their blocks."""
+    processes = [envs._pool.workers[i] for i in indices]
+    for process in processes:
+        os.kill(process.pid, signal.SIGKILL)
+    for process in processes:
+        process.join(5)
+    return [e for i in indices for e in envs._pool.blocks[i]]
+
+
+def kill_plan(rng, num_workers: int, rounds: int) -> list[list[int]]:
+    """Per round, the workers to kill at once: two of them, or every one (every
+    third round, and at least once)."""
+    plan = []
+    for r in range(rounds):
+        if r % 3 == 2:
+            plan.append(list(range(num_workers)))
+        else:
+            plan.append(sorted(rng.choice(num_workers, 2, replace=False).tolist()))
+    return plan
+
+
+@pytest.mark.parametrize(
+    "concurrency,obs_len",
+    [(None, 2), (3, 2), (None, 2048)],
+    ids=["serial", "env-threads", "lent"],
+)
+def test_async_workers_killed_together_are_all_restarted(concurrency, obs_len):
+    """Two workers, then every worker, SIGKILLed in the same loop while every env
+    has a step in flight, round after round: each env of a killed worker reports
+    ``worker_restarted`` exactly once per death, no transition is lost or
+    duplicated (each env's counter checks it), and recv() never raises."""
+    n, workers, batch = 12, 4, 4
+    fns = test_envs.class_fns(test_envs.CountingEnv, n, episode_len=25, obs_len=obs_len)
+    envs = ShmVectorEnv(
+        fns, num_workers=workers, batch_size=batch, on_worker_death="restart",
+        env_concurrency=concurrency,
+    )  # fmt: skip
+    seed = 21
+    rng = np.random.default_rng(seed)
+    run, killed = Transitions(n), 0
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(5):
+            run.step(envs, rng)
+        for indices in kill_plan(rng, workers, 6):
+            due = kill_at_once(envs, indices)
+            killed += len(indices)
+            before = {e: run.restarts[e] for e in due}
+            deadline = time.monotonic() + 60
+            while any(run.restarts[e] == before[e] for e in due):
+                assert time.monotonic() < deadline, f"seed {seed}: {indices} not all restarted"
+                run.step(envs, rng)
+            assert all(run.restarts[e] == before[e] + 1 for e in due), f"seed {seed}"
+            for _ in range(int(rng.integers(0, 6))):
+                run.step(envs, rng)
+        run.drain(envs)
+        assert sum(run.restarts.values()) == 3 * (2 * 4 + 4 * 2)  # 3 envs a worker
+        assert envs.stats()["worker_restarts"] == killed
+        assert all(p.exitcode is None for p in envs._pool.workers)
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize("mode", [NEXT, SAME])
+def test_sync_workers_killed_together_are_all_restarted(mode):
+    """Sync mode: two workers, then every worker, SIGKILLed together before a
+    step: that step reports ``worker_restarted`` (a truncation) for exactly their
+    envs; every other env's transition is counted once; a kill of every worker
+    before a reset gives the reset asked for."""
+    n, workers = 8, 4
+    fns = test_envs.class_fns(test_envs.CountingEnv, n, episode_len=25)
+    envs = ShmVectorEnv(fns, num_workers=workers, on_worker_death="restart", autoreset_mode=mode)
+    seed = 5
+    rng = np.random.default_rng(seed)
+    killed = 0
+    try:
+        obs, _ = envs.reset(seed=0)
+        count, ended = obs[:, 0].copy(), np.zeros(n, dtype=bool)
+        for indices in kill_plan(rng, workers, 9):
+            due = np.zeros(n, dtype=bool)
+            due[kill_at_once(envs, indices)] = True
+            killed += len(indices)
+            actions = rng.integers(0, 4, n)
+            obs, rewards, terminations, truncations, infos = envs.step(actions)
+            restarted = infos.get("_worker_restarted", np.zeros(n, dtype=bool))
+            assert np.array_equal(restarted, due), f"seed {seed}: {indices}"
+            assert (obs[due, 0] == 0).all() and truncations[due].all() and (rewards[due] == 0).all()
+            for e in np.flatnonzero(~due):
+                want = 0 if (ended[e] and mode == NEXT) else count[e] + 1
+                assert obs[e, 0] == want, (seed, e, obs[e], count[e])
+            count, ended = obs[:, 0].copy(), terminations | truncations
+        kill_at_once(envs, range(workers))
+        killed += workers
+        obs, infos = envs.reset(seed=7)
+        assert infos["_worker_restarted"].all() and (obs[:, 0] == 0).all()
+        assert envs.stats()["worker_restarts"] == killed
+    finally:
+        envs.close()
+
+
+def test_rollouts_survive_workers_killed_together():
+    """The rollout layer over a vector env whose workers are SIGKILLed two at a
+    time and all at once, trajectories in flight: the trainer sees no exception
+    while it takes batches until every death is recovered; no task is handed
+    over twice or lost; the lost trajectories are counted as ``worker_died`` and
+    retried; every trajectory handed over (retried ones included) replays bit
+    for bit."""
+    from shmvec.rollouts import Rollouts, Task, replay
+
+    n, workers = 8, 4
+    env_fn = functools.partial(TaskEnv, max_len=12, wait_s=0.002)
+    envs = ShmVectorEnv(
+        [env_fn] * n, num_workers=workers, batch_size=2, on_worker_death="restart",
+        on_env_error="reset", env_concurrency=2,
+    )  # fmt: skip
+    seed = 9
+    rng = np.random.default_rng(seed)
+    tasks = (Task(seed=s) for s in itertools.count())
+    groups, killed = [], 0
+    try:
+        with Rollouts(envs, obs_policy, group_size=2, tasks=tasks, max_retries=20) as rollouts:
+            groups += rollouts.get_batch(2)
+            for indices in kill_plan(rng, workers, 6):
+                kill_at_once(envs, indices)
+                killed += len(indices)
+                deadline = time.monotonic() + 60
+                while envs.stats()["worker_restarts"] < killed:  # noticed as the loop runs
+                    assert time.monotonic() < deadline, f"seed {seed}: {indices} not restarted"
+                    groups += rollouts.get_batch(1)
+            deadline = time.monotonic() + 60
+            while not any(t.attempt for g in groups for t in g.trajectories):
+                assert time.monotonic() < deadline, f"seed {seed}: no retried trajectory"
+                groups += rollouts.get_batch(1)  # the retries of the lost ones come in
+            stats = rollouts.stats()
+        seeds = [g.task.seed for g in groups]
+        assert len(seeds) == len(set(seeds)), f"seed {seed}: a task handed over twice"
+        ended = stats["groups_delivered"] + sum(stats["groups_dropped"].values())
+        assert ended + stats["groups_pending"] == stats["groups_submitted"]
+        assert stats["dropped"].get("worker_died", 0) >= 1
+        assert stats["launched"] == (
+            stats["completed"] + sum(stats["dropped"].values()) + stats["in_flight"]
+        )
+        assert envs.stats()["worker_restarts"] == killed
+        for group in groups:
+            for traj in group.trajectories:
+                replay(traj, env_fn)
     finally:
         envs.close()
 

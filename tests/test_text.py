@@ -25,7 +25,7 @@ from test_equivalence import run_equivalence
 import shmvec
 from shmvec import ShmVectorEnv, UnboundedText
 from shmvec.batching import batch_infos, unbatch_info
-from shmvec.layout import TEXT_BYTES, Utf8TextCodec, make_codec
+from shmvec.codecs import TEXT_BYTES, Utf8TextCodec, make_codec
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,7 +5,8 @@
   restores: ``sync_wire.SyncWire`` (barrier rounds carry every command) or
   ``async_wire.AsyncWire`` (env commands, doorbells, the result ring).
 - ``supervisor.Supervisor``: waits that notice deaths, ``env_timeout``, and
-  ``replace_worker``, which asks the wire what to restore.
+  ``replace_dead``, which asks the wire what to restore (engine/lost_rows.py:
+  what dead workers left in the async ring).
 - ``rounds.RoundDriver``: barrier rounds: post, wait, finish, and step's short path.
 - ``async_engine.AsyncEngine``: ``async_reset``/``send``/``recv`` over the async wire.
 - ``decoder.ResultDecoder``: ring rows and messages to observations and infos.

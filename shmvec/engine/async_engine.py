@@ -174,7 +174,7 @@ class AsyncEngine:
                     if not self.supervisor.restart_on_death:
                         raise
                     read = {(slot, row) for row in messages}
-                    self.supervisor.replace_worker(error.worker, read)
+                    self.supervisor.replace_dead(error.worker, read)
         except BaseException:
             self.wire.unpad()  # the envs still run; later sends claim those rows
             raise
@@ -262,11 +262,6 @@ class AsyncEngine:
             if row in messages:
                 continue
             index = int(self.wire.env_worker[views.env_ids[row]])
-            message = self.pool.recv(index, timeout=None, row=True)
-            if message["row"] != (slot, row):
-                raise RuntimeError(
-                    f"shmvec internal error: worker {index} sent the message of row "
-                    f"{message['row']} where ({slot}, {row}) was expected"
-                )
+            message = self.pool.recv_row(index, (slot, row))
             self.decoder.learn_columns(index, message)
             messages[row] = message

@@ -16,9 +16,10 @@ waits for, so main counts the other rows as published (``pad``) and the slot
 fills when the last of the ``n`` rows is published; ``received`` then moves
 the claim counter past the padding, before any env has a new command.
 
-Recovery: the replacement of a dead worker delivers exactly one result for
-each env of its block still running (``recovery_plan``); padding is no row of
-any env and no claim.
+Recovery: once every live worker is idle, the replacements of any number of
+dead workers deliver exactly one result for each env of their blocks still
+running (``recovery_plans``, engine/lost_rows.py); padding is no row of any
+env and no claim.
 
 Who may call what: the main process's one thread.
 """
@@ -33,6 +34,7 @@ import numpy as np
 
 from shmvec import _core, _worker_loop
 from shmvec.engine.decoder import ResultDecoder
+from shmvec.engine.lost_rows import RingState, find_lost
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.wire import Row
 from shmvec.protocol import ENV_IDLE, ENV_RESET, UNWRITTEN
@@ -69,6 +71,9 @@ class AsyncWire:
         self.padding: tuple[int, int] | None = None
         self.last_command = np.zeros(num_envs, dtype=np.uint8)
         self.resets: dict[int, tuple] = {}
+        # Workers whose replacement was planned and has not said it is ready,
+        # with the envs whose rows the plan has it publish.
+        self.unready: dict[int, set[int]] = {}
         self.book = _worker_loop.EnvBook(
             self.awaiting.view(np.uint8), self.env_commands, self.last_command, self.env_worker,
             [segment.address + offset for offset in layout.doorbell_offsets],
@@ -166,12 +171,25 @@ class AsyncWire:
         limit_ns = time.monotonic_ns() - int(env_timeout * 1e9)
         return [i for i in range(pool.num_workers) if current[i] and started[i] < limit_ns]
 
-    def recovery(self, dead: int, read: Set[Row]) -> tuple:
-        """``("async", plan)``, once every other worker has done all it was given."""
-        self.pool.workers[dead].join(1.0)
-        self.pool.drain(dead)  # its row messages outlive it
-        self.quiesce(dead)
-        return ("async", self.recovery_plan(dead, read))
+    def busy_workers(self, dead: Set[int]) -> list[int]:
+        """The workers not in ``dead`` with an env still to finish (a command
+        not taken, or one in an env)."""
+        pool, commands = self.pool, self.env_commands
+        return [
+            index
+            for index, rows in enumerate(pool.blocks)
+            if index not in dead
+            and (pool.current_env[index] or commands[rows.start : rows.stop].any())
+        ]
+
+    def recovery(self, dead: Set[int], read: Set[Row]) -> dict[int, tuple]:
+        """``("async", plan)`` for each of ``dead``, once every other worker has
+        done all it was given (``busy_workers``) and the pipes of ``dead`` were
+        drained."""
+        plans = self.recovery_plans(dead, read)
+        for index, plan in plans.items():
+            self.unready[index] = {env for env, how in plan.items() if how[0] != "rewrite"}
+        return {index: ("async", plan) for index, plan in plans.items()}
 
     def resend(self, index: int) -> None:
         """Sends the replacement the resets its running envs wait for: only those
@@ -189,104 +207,54 @@ class AsyncWire:
 
     def restarted(self, index: int) -> None:
         """Rings the replacement's doorbell: its envs may have commands."""
+        self.unready.pop(index, None)
         self.doorbells[index].ring()
 
     # ------------------------------------------------------------- recovery
 
-    def quiesce(self, dead: int) -> None:
-        """Waits until every worker but ``dead`` has finished every env it was
-        given (their commands clear, none in an env), reading their pipes so
-        that none blocks on a full one."""
+    def recovery_plans(self, dead: Set[int], read: Set[Row]) -> dict[int, dict[int, tuple]]:
+        """What the replacement of each worker in ``dead`` must deliver: env ->
+        (how, slot, row, command), ``how`` one of "hole", "claim", "rewrite"
+        (``Worker.recover`` over ``shmvec.wires.AsyncWire``; engine/lost_rows.py
+        says how the ring tells them). An env whose published row stands but
+        whose message neither main (``read``) nor a dead worker's pipe holds
+        rewrites it; every other env of those blocks reports a truncated
+        episode for its next command."""
         pool = self.pool
-        while True:
-            pool.run_main_worker()
-            busy = [
-                index
-                for index, rows in enumerate(pool.blocks)
-                if index != dead
-                and (pool.current_env[index] or self.env_commands[rows.start : rows.stop].any())
-            ]
-            if not busy:
-                return
-            for index in busy:
-                pool.check_alive(index)
-                pool.drain(index)
-            time.sleep(0.0002)
+        for index in dead:  # their info columns: a replacement numbers new ones after them
+            for message in pool.row_messages[index].values():
+                self.decoder.learn_columns(index, message)
+        lost = find_lost(self._ring_state(dead))
+        plans: dict[int, dict[int, tuple]] = {index: {} for index in dead}
+        for env, (how, slot, row) in lost.deliver.items():
+            index = int(self.env_worker[env])
+            if how != "claim":
+                pool.row_messages[index].pop((slot, row), None)  # a message it replaces
+                # Main reads the row only once its new message came: a rewrite in
+                # a slot that another replacement's publish fills is not read half done.
+                pool.slots[slot].messages[row] = 1
+            plans[index][env] = (how, slot, row, int(self.last_command[env]))
+        for env, (slot, row) in lost.kept.items():
+            index = int(self.env_worker[env])
+            kept = (slot, row) in read or (slot, row) in pool.row_messages[index]
+            if pool.slots[slot].messages[row] and not kept:
+                plans[index][env] = ("rewrite", slot, row, int(self.last_command[env]))
+        return plans
 
-    def recovery_plan(self, dead: int, read: Set[Row]) -> dict[int, tuple]:
-        """What the replacement of ``dead`` must deliver: env -> (how, slot, row,
-        command), ``how`` one of "hole", "claim", "rewrite" (``Worker.recover`` over
-        ``shmvec.wires.AsyncWire``).
-
-        Once the other workers have done all they were given, the ring tells
-        what the dead worker left: rows it published (their messages are read
-        from its pipe, which outlives it), at most one row it claimed but never
-        published (a hole that would keep its slot from filling), and at most
-        one env whose command it took but whose row it never claimed. Every
-        other env of its block reports a truncated episode for its next command.
-        """
-        where, hole, hole_env = self._unconsumed_rows(dead)
-        plan: dict[int, tuple] = {}
-        for env in self.pool.blocks[dead]:
-            command = int(self.last_command[env])
-            if self.awaiting[env] or self.env_commands[env] != ENV_IDLE:
-                continue  # idle, or not started: the replacement's first command does it
-            if env == hole_env and hole is not None:
-                plan[env] = ("hole", *hole, command)
-            elif env in where:
-                slot, row = where[env]
-                if self._message_lost(dead, slot, row, read):
-                    plan[env] = ("rewrite", slot, row, command)
-            else:
-                plan[env] = ("claim", 0, 0, command)
-        if hole is not None and hole_env is None:
-            claims = [env for env, how in plan.items() if how[0] == "claim"]
-            if len(claims) != 1:
-                raise RuntimeError(
-                    f"shmvec internal error: an unwritten row and envs {claims} without one"
-                )
-            plan[claims[0]] = ("hole", *hole, plan[claims[0]][3])
-        return plan
-
-    def _unconsumed_rows(self, dead: int) -> tuple[dict[int, Row], Row | None, int | None]:
-        """The rows claimed since the last consumed one: (env -> its row, the
-        unpublished row if any, the env of ``dead`` whose row that is if written)."""
+    def _ring_state(self, dead: Set[int]) -> RingState:
+        """The ring since the last consumed row, and the running envs of ``dead``."""
         pool = self.pool
-        batch, slots = self.batch_size, len(pool.slots)
-        first, claimed = self.consumed_rows, self.ring.claimed()
-        block = pool.blocks[dead]
-        where: dict[int, Row] = {}
-        unwritten: list[Row] = []
-        last_of_dead: int | None = None
-        per_slot: dict[int, int] = {}
-        for n in range(first, claimed):
-            slot, row = (n // batch) % slots, n % batch
-            per_slot[slot] = per_slot.get(slot, 0) + 1
-            env = int(pool.slots[slot].env_ids[row])
-            if env == UNWRITTEN:
-                unwritten.append((slot, row))
-            else:
-                where[env] = (slot, row)
-                if env in block:
-                    last_of_dead = env
-        holes = (claimed - first) - sum(self.published(s) for s in per_slot)
-        if holes not in (0, 1) or len(unwritten) > holes:
-            raise RuntimeError(
-                f"shmvec internal error: {holes} unpublished rows, {len(unwritten)} unwritten, "
-                f"after worker {dead} died"
-            )
-        if not holes:  # the dead worker's last claim, if any, was published
-            return where, None, None
-        if unwritten:
-            return where, unwritten[0], None
-        if last_of_dead is None:
-            raise RuntimeError(f"shmvec internal error: a written hole after worker {dead} died")
-        return where, where.pop(last_of_dead), last_of_dead
-
-    def _message_lost(self, dead: int, slot: int, row: int, read: Set[Row]) -> bool:
-        """Whether row (slot, row), published by ``dead``, has a message that
-        neither main (``read``) nor its pipe's stash holds."""
-        return bool(self.pool.slots[slot].messages[row]) and not (
-            (slot, row) in read
-            or any(m["row"] == (slot, row) for m in self.pool.stashed[dead][True])
-        )
+        batch, num_slots = self.batch_size, len(pool.slots)
+        claims = []
+        for n in range(self.consumed_rows, self.ring.claimed()):
+            slot, row = (n // batch) % num_slots, n % batch
+            claims.append((slot, row, int(pool.slots[slot].env_ids[row])))
+        running = {
+            env: index
+            for index in sorted(dead)
+            for env in pool.blocks[index]
+            if not self.awaiting[env] and self.env_commands[env] == ENV_IDLE
+        }
+        published = {slot: self.published(slot) for slot, _, _ in claims}
+        unready = {index: self.unready[index] for index in dead if index in self.unready}
+        return RingState(claims, published, running, unready)

@@ -4,7 +4,7 @@ Data flow: workers leave a round's (or an async batch's) results in a ring
 slot's columns and, when there is more, in messages; the decoder turns them
 into the observation batch, the (rewards, terminations, truncations) arrays
 and the infos dict, with one info merge for whole batches and async rows.
-Text that spilled out of its row (shmvec/layout.py, ``Utf8TextCodec``) comes
+Text that spilled out of its row (shmvec/codecs.py, ``Utf8TextCodec``) comes
 in the messages' ``"spills"`` and is put back in its row.
 """
 
@@ -18,16 +18,16 @@ import numpy as np
 from shmvec import _worker_loop
 from shmvec import infos as info_columns
 from shmvec.batching import batch_infos
+from shmvec.codecs import Spills
 from shmvec.engine.leases import ObsLeases
 from shmvec.errors import add_note
-from shmvec.layout import Spills
 
 
 class ResultDecoder:
     """Decodes results; owns each worker's info column schema.
 
     Args:
-        obs_codec: the observation space's codec (shmvec/layout.py).
+        obs_codec: the observation space's codec (shmvec/codecs.py).
         slots: the ring slots' views.
         blocks: each worker's env ids.
         copy: return copies (True) or views of the ring.

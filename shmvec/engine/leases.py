@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from shmvec import _worker_loop
-from shmvec.layout import Codec, SegmentLayout, Spills
+from shmvec.codecs import Codec, Spills
+from shmvec.layout import SegmentLayout
 
 
 class ObsLeases:
@@ -69,7 +70,7 @@ class ObsLeases:
         """The observations written into ``region`` (its first ``rows``; None:
         all), as arrays over it: the region is held until the last of them (and
         of their views) is gone. ``spills``: the rows' spilled text
-        (shmvec/layout.py)."""
+        (shmvec/codecs.py)."""
         start, stop = self.spans[region]
         lease = _worker_loop.RegionLease(
             self.segment, self.segment.address + start, stop - start, self.free, region

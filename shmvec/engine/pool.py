@@ -25,6 +25,7 @@ import cloudpickle
 
 from shmvec import _core
 from shmvec.engine.options import EngineOptions
+from shmvec.engine.wire import Row
 from shmvec.errors import WorkerDiedError, add_note
 from shmvec.in_process import InProcessWorker, LoopbackPipe
 from shmvec.layout import make_layout
@@ -71,8 +72,10 @@ class WorkerPool:
         self.pipes: list = []
         # By worker, over its current pipe: sends that never block main (shmvec/outbox.py).
         self.outboxes: dict[int, Outbox] = {}
-        # Per worker: (replies, row messages) read but not yet asked for.
-        self.stashed: list[tuple[deque, deque]] = [(deque(), deque()) for _ in blocks]
+        # Per worker, read but not yet asked for: replies to rounds, in order,
+        # and row messages by their ring row (one message a row).
+        self.replies: list[deque] = [deque() for _ in blocks]
+        self.row_messages: list[dict[Row, dict]] = [{} for _ in blocks]
         self.main_worker: InProcessWorker | None = None
         self.killed_stuck: dict[int, str] = {}  # worker -> why shmvec killed it
 
@@ -165,15 +168,16 @@ class WorkerPool:
         return message
 
     def replace(self, index: int, **spec_changes: Any) -> None:
-        """Retires dead worker ``index`` and starts its replacement. Messages the
-        dead one sent stay readable (row messages are kept, replies dropped)."""
+        """Retires dead worker ``index`` (or a replacement that died before it was
+        ready) and starts its replacement. Messages the dead one sent stay
+        readable (row messages are kept, replies dropped)."""
         self.workers[index].join(1.0)
         self.drain(index)
         outbox = self.outboxes.pop(index, None)
         if outbox is not None:
             outbox.close(flush_s=0.0)
         self.pipes[index].close()
-        self.stashed[index][False].clear()  # replies to rounds it will never finish
+        self.replies[index].clear()  # replies to rounds it will never finish
         self.message_flags[index] = 0  # a round's message it flagged died with it
         # It died in an env: its replacement starts in none (env_timeout reads this).
         self.current_env[index] = 0
@@ -193,6 +197,13 @@ class WorkerPool:
             self.check_alive(index)  # raises WorkerDiedError
             raise
 
+    def send_spills(self, spills: dict[int, dict]) -> None:
+        """Sends each worker the spilled text of its envs' actions, by env."""
+        for index, rows in enumerate(self.blocks):
+            mine = {env: spill for env, spill in spills.items() if env in rows}
+            if mine:
+                self.send(index, "spills", mine)
+
     def _outbox(self, index: int) -> Outbox:
         """The outbox over worker ``index``'s current pipe."""
         pipe, outbox = self.pipes[index], self.outboxes.get(index)
@@ -202,21 +213,29 @@ class WorkerPool:
             outbox = self.outboxes[index] = Outbox(pipe)
         return outbox
 
-    def recv(self, index: int, timeout: float | None, row: bool = False) -> dict:
-        """The next message of worker ``index``, noticing its death.
+    def recv(self, index: int, timeout: float | None) -> dict:
+        """The next reply of worker ``index`` (to a barrier command, or its
+        start-up message), noticing its death. Row messages read meanwhile are
+        kept for ``recv_row``."""
+        replies = self.replies[index]
+        while not replies:
+            self._keep(index, self._recv_any(index, timeout))
+        return replies.popleft()
 
-        Async mode interleaves two streams on a pipe: per-row messages (with a
-        ``"row"`` key) and replies to barrier commands. Each caller asks for
-        one; messages of the other are kept for their turn.
-        """
-        stash = self.stashed[index][row]
-        if stash:
-            return stash.popleft()
-        while True:
-            message = self._recv_any(index, timeout)
-            if ("row" in message) == row:
-                return message
-            self.stashed[index][not row].append(message)
+    def recv_row(self, index: int, row: Row) -> dict:
+        """Worker ``index``'s message of ring row ``row`` (async mode), noticing
+        its death. Workers send them in the order they publish rows, and a
+        replacement's may come before its predecessor's: each is kept by row."""
+        messages = self.row_messages[index]
+        while row not in messages:
+            self._keep(index, self._recv_any(index, None))
+        return messages.pop(row)
+
+    def _keep(self, index: int, message: dict) -> None:
+        if "row" in message:
+            self.row_messages[index][message["row"]] = message
+        else:
+            self.replies[index].append(message)
 
     def _recv_any(self, index: int, timeout: float | None) -> dict:
         pipe = self.pipes[index]
@@ -237,8 +256,7 @@ class WorkerPool:
         pipe = self.pipes[index]
         with contextlib.suppress(EOFError, OSError):
             while pipe.poll(0):
-                message = pickle.loads(pipe.recv_bytes())
-                self.stashed[index]["row" in message].append(message)
+                self._keep(index, pickle.loads(pipe.recv_bytes()))
 
     # -------------------------------------------------------------- liveness
 
@@ -256,6 +274,10 @@ class WorkerPool:
     def check_all_alive(self) -> None:
         for index in range(self.num_workers):
             self.check_alive(index)
+
+    def dead_workers(self) -> set[int]:
+        """The workers whose process has exited."""
+        return {i for i, process in enumerate(self.workers) if process.exitcode is not None}
 
     def kill(self, index: int, why: str) -> None:
         """Kills worker ``index`` (a timeout); its death is then reported with ``why``."""

@@ -29,7 +29,16 @@ from shmvec.engine.stats import Stats
 from shmvec.engine.supervisor import Supervisor
 from shmvec.engine.wire import Wire
 from shmvec.errors import WorkerDiedError, add_note
-from shmvec.protocol import LIVENESS_CHECK_NS, LIVENESS_CHECK_S, REGION_SHIFT, RESET, STEP
+from shmvec.protocol import (
+    BY_VALUE_BIT,
+    CALL,
+    LIVENESS_CHECK_NS,
+    LIVENESS_CHECK_S,
+    REGION_SHIFT,
+    RESET,
+    SET_ATTR,
+    STEP,
+)
 
 
 class RoundDriver:
@@ -112,6 +121,25 @@ class RoundDriver:
         for index, rows in enumerate(self.pool.blocks):
             self.pool.send(index, tag, wrap(per_env[rows.start : rows.stop]))
 
+    def post_step(self, per_env: list | None) -> None:
+        """Posts a STEP round into the next slot, its actions in the slab or, by
+        value, ``per_env`` (sent to each worker first)."""
+        if per_env is not None:
+            self.send_blocks("actions", per_env)
+        by_value = 0 if per_env is None else BY_VALUE_BIT
+        self.post(STEP, self.obs_arg(self.next_slot()) | by_value)
+
+    def post_call(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Sends every worker the call, then posts a CALL round."""
+        for index in range(self.pool.num_workers):
+            self.pool.send(index, "call", (name, args, kwargs))
+        self.post(CALL)
+
+    def post_set_attr(self, name: str, values: list) -> None:
+        """Sends each worker its block's values, then posts a SET_ATTR round."""
+        self.send_blocks("set_attr", values, lambda block: (name, block))
+        self.post(SET_ATTR)
+
     def post_reset(self, seeds: list, options: list, mask: np.ndarray | None) -> None:
         """Sends each worker its block's reset (kept for a replacement), then posts
         a RESET round into the next slot."""
@@ -122,6 +150,33 @@ class RoundDriver:
             self.wire.send_reset(index, (seeds[block], options[block], block_mask))
         self.reset_mask = None if mask is None else mask.copy()
         self.post(RESET, self.obs_arg(slot))
+
+    def reset_result(self, messages: dict[int, dict]) -> tuple[Any, dict[str, Any]]:
+        """The finished RESET round's ``(obs, infos)``; envs its mask left out keep
+        their previous observation."""
+        decoder, slot = self.decoder, self.slot
+        infos = decoder.batch_infos(slot, messages)
+        mask = self.reset_mask
+        if mask is not None and not mask.all():
+            previous = self.obs_views((slot - 1) % self.ring_depth)
+            decoder.carry_over_obs(~mask, self.obs_views(slot), previous)
+        obs = self.read_obs(messages)
+        if "step_deadline" in infos:
+            self.stats.note_block_deadlines(infos, self.pool.blocks)
+        return obs, infos
+
+    def step_result(self, messages: dict[int, dict]) -> tuple:
+        """The finished STEP round's ``(obs, rewards, terminations, truncations,
+        infos)``, its env resets, deadlines and steps counted in the stats."""
+        decoder, slot, stats = self.decoder, self.slot, self.stats
+        infos = decoder.batch_infos(slot, messages)
+        if "env_error" in infos:
+            stats.note_env_resets(infos, np.arange(decoder.num_envs))
+        if "step_deadline" in infos:
+            stats.note_block_deadlines(infos, self.pool.blocks)
+        stats.count(decoder.num_envs, decoder.ended(slot))
+        obs = self.read_obs(messages)
+        return (obs, *decoder.outcomes(slot), infos)
 
     def step_round(self) -> bool:
         """A STEP round into the next slot, actions already in the slab, then one
@@ -227,8 +282,9 @@ class RoundDriver:
             except WorkerDiedError as error:
                 if not supervisor.restart_on_death or name == "close":
                     raise
-                self._replaced(error.worker, supervisor.replace_worker(error.worker))
-                restarted[error.worker] = error
+                for index, message in supervisor.replace_dead(error.worker).items():
+                    self._replaced(index, message)
+                    restarted.setdefault(index, error)
         if restarted and self.kind not in (None, STEP, RESET):
             died = next(iter(restarted.values()))
             add_note(died, f"the worker was restarted and its envs reset; `{name}` again")

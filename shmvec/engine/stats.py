@@ -59,6 +59,12 @@ class Stats:
                 env_ids[row], infos["step_deadline"][row],
             )  # fmt: skip
 
+    def note_block_deadlines(self, infos: dict, blocks: list[range]) -> None:
+        """``note_deadlines`` for a batch of every env in env order, worker
+        ``k`` stepping ``blocks[k]`` (sync mode)."""
+        workers = np.repeat(np.arange(len(blocks)), [len(block) for block in blocks])
+        self.note_deadlines(infos, np.arange(len(workers)), workers)
+
     def log_summary(self, busy_ns: np.ndarray) -> None:
         """Logs the report at DEBUG (when a vector env closes)."""
         if logger.isEnabledFor(logging.DEBUG):

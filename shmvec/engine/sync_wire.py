@@ -54,12 +54,19 @@ class SyncWire:
         generation = pool.barrier.generation
         return [i for i in range(pool.num_workers) if pool.finished[i] != generation]
 
-    def recovery(self, dead: int, read: Set[Row]) -> tuple:
-        """``(kind, arg)`` of the round pending: STEP and RESET rounds with their
-        arg; any other round (or none) as a CALL into the last round's slot."""
+    def busy_workers(self, dead: Set[int]) -> list[int]:
+        """None: the round's wait waits for the other workers."""
+        return []
+
+    def recovery(self, dead: Set[int], read: Set[Row]) -> dict[int, tuple]:
+        """``(kind, arg)`` of the round pending, for each of ``dead``: STEP and
+        RESET rounds with their arg; any other round (or none) as a CALL into
+        the last round's slot."""
         if self.kind in (STEP, RESET):
-            return (self.kind, self.arg)
-        return (CALL, self.arg & SLOT_MASK)
+            plan = (self.kind, self.arg)
+        else:
+            plan = (CALL, self.arg & SLOT_MASK)
+        return dict.fromkeys(dead, plan)
 
     def resend(self, index: int) -> None:
         """A RESET round's replacement waits for that reset again."""

@@ -35,9 +35,14 @@ class Wire(Protocol):
         """The workers past ``env_timeout`` (the round posted at
         ``round_started``, by ``time.monotonic()``, or the env they began)."""
 
-    def recovery(self, dead: int, read: Set[Row]) -> tuple:
-        """``WorkerSpec.recover`` for the replacement of worker ``dead``: what
-        it must deliver first. ``read``: the rows whose messages main has."""
+    def busy_workers(self, dead: Set[int]) -> list[int]:
+        """The workers, not in ``dead``, that must finish what they were given
+        before the replacements of ``dead`` are planned (none in sync mode)."""
+
+    def recovery(self, dead: Set[int], read: Set[Row]) -> dict[int, tuple]:
+        """``WorkerSpec.recover`` for the replacement of each worker in ``dead``
+        (all of them dead at once): what it must deliver first. ``read``: the
+        rows whose messages main has."""
 
     def resend(self, index: int) -> None:
         """Sends worker ``index``'s replacement what it waits for before it is ready."""
