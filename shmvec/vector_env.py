@@ -332,22 +332,16 @@ class ShmVectorEnv(VectorEnvBase):
         unusual (an error, a pickled info, a late worker), goes through
         ``step_async`` / ``step_wait``.
         """
-        if not (
-            self._short_path_open() and self._action_codec.write_exact(self._action_views, actions)
-        ):
-            self.step_async(actions)
-            return self.step_wait()
-        return self._step_short()
+        if self._short_path_open() and self._action_codec.write_exact(self._action_views, actions):
+            return self._step_short()
+        self.step_async(actions)
+        return self.step_wait()
 
     def _short_path_open(self) -> bool:
         """Whether the next step may take the short path, its actions aside."""
-        return not (
-            self.closed
-            or self._state is not AsyncState.DEFAULT
-            or not self._short_path
-            or self.validate_actions
-            or self._rounds.unfinished
-        )
+        if self.closed or self._state is not AsyncState.DEFAULT or self._rounds.unfinished:
+            return False
+        return self._short_path and not self.validate_actions
 
     def _step_short(self):
         """The short path of ``step``, the actions already in the slab."""
