@@ -311,38 +311,25 @@ class Book:
         return len(self.complete), len(self.groups) - len(self.complete)
 
     def can_hand_over(self, n: int, now: float) -> bool:
-        """Whether ``n`` complete groups can be handed over now: enough are
-        complete (and within the bound), and so is every group the next batch
-        must take."""
+        """Whether ``n`` complete groups can be handed over now (see
+        :meth:`~shmvec.rollouts.lag.LagRule.choose`)."""
+        return self._choose(n, now) is not None
+
+    def _choose(self, n: int, now: float) -> list[int] | None:
         for g in list(self.complete):
             self._sweep(self.groups[g], now)
-        if len(self.complete) < n:
-            return False
-        return all(g in self.complete for g in self._must())
-
-    def _must(self) -> list[int]:
-        """Groups that the next batch must take to keep the bound ("wait"), oldest first."""
-        if not self.lag.waits:
-            return []
-        must = [
-            (v, g) for g, group in self.groups.items() if self.lag.must(v := group.oldest_version())
+        complete = [(g, self.groups[g].oldest_version()) for g in self.complete]
+        running = [
+            group.oldest_version() for g, group in self.groups.items() if g not in self.complete
         ]
-        return [g for _, g in sorted(must)]
+        return self.lag.choose(complete, running, n)
 
     def hand_over(self, n: int, now: float) -> list[Group]:
-        """Takes ``n`` complete groups: those the bound requires first, then the
-        oldest; checks the bound and both ledger identities."""
-        if not self.can_hand_over(n, now):
+        """Hands over the ``n`` complete groups the lag rule chooses; checks the
+        bound for each and both ledger identities."""
+        chosen = self._choose(n, now)
+        if chosen is None:
             raise AssertionError(f"rollouts: hand_over({n}) while the batch cannot be handed over")
-        order = {g: i for i, g in enumerate(self.complete)}
-        chosen = [g for g in self._must() if g in order][:n]
-        taken = set(chosen)
-        version = self.lag.version
-        rest = sorted(
-            (g for g in self.complete if g not in taken),
-            key=lambda g: (_version_or(self.groups[g].oldest_version(), version), order[g]),
-        )
-        chosen += rest[: n - len(chosen)]
         batch = []
         for g in chosen:
             group = self.groups.pop(g)
@@ -363,7 +350,3 @@ class Book:
     def check(self) -> None:
         """Raises AssertionError if an attempt or a group is unaccounted for."""
         self.ledger.check(len(self.active), len(self.groups))
-
-
-def _version_or(version: int | None, default: int) -> int:
-    return default if version is None else version

@@ -93,13 +93,41 @@ class LagRule:
         """Whether a trajectory whose oldest action has this version is past the bound."""
         return self.max_lag is not None and self.lag(oldest) > self.max_lag
 
-    def must(self, oldest: int | None) -> bool:
-        """Whether the next batch must take a group of this oldest version: by
-        the batch after it (one rise later) it would be stale (``"wait"``)."""
-        if not self.waits or oldest is None:
-            return False
+    def choose(
+        self, complete: list[tuple[int, int | None]], running: list[int | None], n: int
+    ) -> list[int] | None:
+        """The batch to hand over now, or None to wait.
+
+        ``complete``: (key, oldest version) of the complete groups in order of
+        completion; ``running``: the oldest versions of the other pending
+        groups. The batch takes the ``n`` complete groups closest to the
+        bound. Under ``"wait"`` it waits while the groups left behind could
+        not all be handed over in time by later batches (of
+        ``groups_per_batch``, one rise apart) but would if older running
+        groups completed first; when no batch can keep every group in time,
+        it does not wait (those that fall behind run again).
+        """
+        if len(complete) < n:
+            return None
+        ranked = sorted(complete, key=lambda item: self._age(item[1]))
+        if not self.waits or self._fits([o for _, o in ranked[n:]] + running):
+            return [key for key, _ in ranked[:n]]
+        everything = sorted([o for _, o in complete] + running, key=self._age)
+        if self._fits(everything[n:]):
+            return None  # older groups are running: wait for them
+        return [key for key, _ in ranked[:n]]
+
+    def _age(self, oldest: int | None) -> int:
+        return self.version if oldest is None else oldest
+
+    def _fits(self, left: list[int | None]) -> bool:
+        """Whether groups of these oldest versions, left after the batch handed
+        over now, can each be handed over in time by the batches after it."""
         assert self.max_lag is not None
-        return self.version + self.rise - oldest > self.max_lag
+        per_batch = self.groups_per_batch or 1
+        slack = sorted((self._age(o) + self.max_lag - self.version) // self.rise for o in left)
+        # the i-th most pressed group (0-based) needs a batch among the first `slack`
+        return all(i < batches * per_batch for i, batches in enumerate(slack))
 
     def admits(self, pending: int, wanted: int | None = None) -> bool:
         """Whether a new group may start now, behind ``pending`` groups in the
