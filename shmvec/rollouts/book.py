@@ -20,7 +20,7 @@ from typing import Any
 
 from shmvec.rollouts.groups import Decision, GroupPolicy, GroupState, Ledger
 from shmvec.rollouts.lag import LagRule
-from shmvec.rollouts.records import Group, Status, Task, Trajectory
+from shmvec.rollouts.records import FINISHED, Group, Status, Task, Trajectory
 
 
 @dataclass(frozen=True)
@@ -283,23 +283,25 @@ class Book:
             self._sweep(group, now)
 
     def _sweep(self, group: GroupState, now: float) -> None:
-        """Fails the group's kept or running attempts that are past the bound:
-        a finished one stops counting as completed; the group decides again."""
+        """Fails the group's kept or running attempts that are past the bound (a
+        finished one stops counting as completed) and lets the group decide
+        again; every one of them is counted, even once the group is dropped."""
         if self.lag.max_lag is None:
             return
-        for traj in group.live():
-            if group.group_id not in self.groups or not self.lag.stale(traj.oldest_version):
-                continue
-            if traj.status is Status.RUNNING:
+        stale = [t for t in group.live() if self.lag.stale(t.oldest_version)]
+        for traj in stale:
+            pending = group.group_id in self.groups
+            if traj.status is Status.RUNNING and pending:
                 self.failed(traj, Status.STALE, self._stale_reason(traj), now)
-                continue
-            if traj.status not in (Status.TERMINATED, Status.TRUNCATED, Status.MAX_STEPS):
-                continue  # ended by a failure of its group's just now
-            self.complete.pop(group.group_id, None)
-            self.resolutions += 1
-            traj.reason = self._stale_reason(traj)
-            self.ledger.unfinish()
-            self._apply(group, group.unfinish(traj, self.lag.retries_stale, now), now)
+            elif traj.status in FINISHED:
+                traj.reason = self._stale_reason(traj)
+                self.ledger.unfinish()
+                if not pending:
+                    traj.status = Status.STALE  # its group was dropped just now
+                    continue
+                self.complete.pop(group.group_id, None)
+                self.resolutions += 1
+                self._apply(group, group.unfinish(traj, self.lag.retries_stale, now), now)
 
     def _stale_reason(self, traj: Trajectory) -> str:
         return f"version {traj.oldest_version} < {self.lag.version} - {self.lag.max_lag}"
