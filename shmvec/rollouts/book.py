@@ -81,6 +81,7 @@ class Book:
         self.resolved: list[Resolved] = []
         self.labels_launched: dict[Any, int] = {}
         self.steps = 0
+        self.held = False  # the last launch: an env was free, a task waited, the bound said no
         self.resolutions = 0  # groups completed, dropped or reopened: what get_batch waits for
 
     # ------------------------------------------------------------------ tasks
@@ -115,6 +116,7 @@ class Book:
     def launch(self, now: float) -> list[tuple[int, Trajectory]]:
         """Starts the groups that may start, and pairs queued attempts with free
         envs of their tag: the (env, attempt) pairs to reset."""
+        self.held = False
         while self._may_launch_group():
             task = self._next_task()
             if task is None:
@@ -133,7 +135,9 @@ class Book:
             return self.wanted is not None and len(self.groups) < self.wanted
         if sum(len(free) for free in self.free.values()) <= len(self.queue):
             return False  # groups start as envs free up: nothing waits in a queue for long
-        return self.lag.admits(len(self.groups), self.wanted)
+        admitted = self.lag.admits(len(self.groups), self.wanted)
+        self.held = not admitted and self.tasks_left()
+        return admitted
 
     def _assign(self, now: float) -> list[tuple[int, Trajectory]]:
         starts: list[tuple[int, Trajectory]] = []

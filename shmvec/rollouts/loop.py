@@ -64,7 +64,8 @@ class Loop:
         self.expect_reset = np.zeros(self.num_envs, dtype=bool)
         self.sent_s = np.zeros(self.num_envs)
         self.active_s = 0.0  # time during which some attempt was unfinished
-        self.tick_s = time.monotonic()
+        self.held_s = 0.0  # time during which the lag bound kept a free env from a task
+        self.started_s = self.tick_s = time.monotonic()
         self.error: BaseException | None = None
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="shmvec-rollouts", daemon=True)
@@ -97,6 +98,8 @@ class Loop:
             now = time.monotonic()
             if book.active:
                 self.active_s += now - self.tick_s
+            if book.held:
+                self.held_s += now - self.tick_s
             self.tick_s = now
             resolved = book.resolutions
             starts = book.launch(now)

@@ -316,6 +316,7 @@ class Rollouts:
                 "policy_busy_s": policy_busy,
                 "active_s": loop.active_s,
                 "policy_idle_share": 1.0 - policy_busy / loop.active_s if loop.active_s else 0.0,
+                "lag_held_share": loop.held_s / max(time.monotonic() - loop.started_s, 1e-9),
                 "failed_share": {
                     "resolved": _share(resolved, lambda r: r.failed),
                     "delivered": _share(delivered, lambda r: r.failed),
