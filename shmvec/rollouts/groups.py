@@ -152,9 +152,9 @@ class GroupState:
         self.failed.append(traj)
 
     def oldest_version(self) -> int | None:
-        """The oldest action version among the attempts it would hand over."""
-        kept = self.finished[: self.policy.group_size] if self.complete else self.current
-        versions = [v for t in kept if (v := t.oldest_version) is not None]
+        """The oldest action version among the attempts it would hand over or
+        still waits for (:meth:`live`)."""
+        versions = [v for t in self.live() if (v := t.oldest_version) is not None]
         return min(versions) if versions else None
 
     def to_group(self, version: int) -> Group:
