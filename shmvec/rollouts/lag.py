@@ -1,7 +1,6 @@
 """The lag bound as a rule on versions and hand-over order: which trajectories
-are stale, which groups the next batch must take, and whether a new group may
-start; a pure object (no threads, no envs, no clock), driven under the
-rollouts' lock.
+are stale, which groups a batch takes, and whether a new group may start; a
+pure object (no threads, no envs, no clock), driven under the rollouts' lock.
 
 The bound: a group is handed over only if ``version at hand-over - oldest
 action version <= max_lag`` for every kept trajectory. Staleness is a fact of
@@ -17,8 +16,12 @@ one; it may start if the versions those hand-overs are expected to add keep
 it within ``max_lag``. The rise per batch is learnt from the hand-overs (the
 version's rise between the last two, at least 1), so a trainer that resumes at
 version 1000, counts two updates per batch or counts samples is admitted as
-exactly as one that adds 1 after each batch. A trajectory that goes stale all
-the same (a version jump the rule could not foresee) is run again.
+exactly as one that adds 1 after each batch. A batch takes the complete
+groups closest to the bound, and waits while the groups it would leave behind
+could not all be taken in time by the batches after it but would if older
+running groups finished first. A trajectory that goes stale all the same (a
+version jump the rule could not foresee, a batch smaller than
+``groups_per_batch``) runs again.
 """
 
 from __future__ import annotations
