@@ -4,7 +4,7 @@ after every operation.
 ``BookModel`` drives a :class:`~shmvec.rollouts.book.Book` the way the loop
 and the trainer do, with a simulated fleet (results in any order, env errors,
 deadlines, any number of envs failing at once as their worker dies, policy
-calls answered late) and a trainer that submits in bursts, asks for batches of
+calls answered late) and a trainer that submits in bursts (or a task source), asks for batches of
 varying sizes and moves the version by jumps and repeats. ``lag_rule_schedule``
 drives a :class:`~shmvec.rollouts.lag.LagRule` alone against a trainer whose
 version rises by a fixed amount per batch. Both raise AssertionError with the
@@ -85,6 +85,14 @@ class BookModel:
         self.tasks_of: dict[int, int] = {}  # group id -> its task's seed
         self.handed: list[Group] = []
         self.ops: list[str] = []
+        if self.rng.random() < 0.3:  # tasks drawn from a source as envs free up
+            self.book.source = self._source(self.rng.randint(3, 40))
+
+    def _source(self, count: int):
+        for _ in range(count):
+            seed, self.next_seed = self.next_seed, self.next_seed + 1
+            self.submitted.add(seed)
+            yield Task(seed=seed)
 
     # ---------------------------------------------------------- operations
 
