@@ -186,6 +186,10 @@ def test_rerun_reopens_a_complete_group_that_fell_behind():
 # ------------------------------------------------------------ random schedules
 
 SCHEDULE_OPS = int(os.environ.get("SHMVEC_SCHEDULE_OPS", "30"))
+#: SIGKILL workers too, one at a time (by hand: in async mode a worker killed while
+#: the loop starts envs on it can stop the loop with a BrokenPipeError out of
+#: async_reset; see the rollouts guide's limits).
+SCHEDULE_KILLS = os.environ.get("SHMVEC_SCHEDULE_KILLS", "0") == "1"
 
 
 def kill_a_worker(envs, rng, kills) -> bool:
@@ -219,7 +223,8 @@ def test_a_random_schedule_keeps_every_promise(on_stale, mode):
     submitted, delivered, ops, kills = 0, [], [], 0
     try:
         for _ in range(SCHEDULE_OPS):
-            op = rng.choice(["submit", "get_batch", "get_batch", "version", "kill", "pause"])
+            choices = ["submit", "get_batch", "get_batch", "version", "pause"]
+            op = rng.choice([*choices, "kill"] if SCHEDULE_KILLS else choices)
             ops.append(op)
             if op == "submit":
                 k = rng.choice([1, 3, 8])
