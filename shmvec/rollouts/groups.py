@@ -8,7 +8,9 @@ groups so that, at every moment,
     launched == completed + sum(dropped.values()) + in_flight        (attempts)
     submitted == delivered + sum(groups_dropped.values()) + pending   (groups)
 
-Both are plain objects, driven by the rollout loop under its lock.
+A finished trajectory that falls behind ``max_lag`` before its group is handed
+over stops counting as completed and counts as ``stale``. Both are plain
+objects, driven under the rollouts' lock.
 """
 
 from __future__ import annotations
@@ -94,6 +96,11 @@ class GroupState:
         """Attempts not yet ended (queued or on an env)."""
         return [t for t in self.current if t.status is Status.RUNNING]
 
+    def live(self) -> list[Trajectory]:
+        """The attempts it would hand over or still waits for: the kept
+        finished ones and those running."""
+        return [*self.finished[: self.policy.group_size], *self.running()]
+
     def finish(self, traj: Trajectory, now: float) -> Decision:
         """``traj`` finished (its status already one of ``FINISHED``)."""
         self.finished.append(traj)
@@ -114,12 +121,21 @@ class GroupState:
         self.first_loss = self.first_loss or status
         return self._settle(status, now)
 
+    def unfinish(self, traj: Trajectory, retry: bool, now: float) -> Decision:
+        """A finished ``traj`` (of this group, not yet handed over) fell behind
+        the lag bound: it fails as ``stale`` and the group, complete or not,
+        decides again (a retry, its survivors, a drop)."""
+        self.finished.remove(traj)
+        self.complete = False
+        traj.status = Status.RUNNING  # fail() gives it its failure
+        return self.fail(traj, Status.STALE, retry, now)
+
     def _settle(self, status: Status, now: float) -> Decision:
         """Completes or drops the group once its outcome is decided."""
         if len(self.finished) >= self.policy.group_size:
             self.complete, self.completed_s = True, now
             return Decision(cancel=[(t, Status.REDUNDANT) for t in self.running()], resolved=True)
-        if self.lost <= self.policy.redundancy:
+        if self.lost <= self.policy.redundancy and self.running():
             return Decision()  # a surplus trajectory can still take a lost one's place
         survivors = self.policy.min_survivors
         if survivors is not None and self.running():
@@ -136,9 +152,9 @@ class GroupState:
         self.failed.append(traj)
 
     def oldest_version(self) -> int | None:
-        """The oldest action version among the attempts it would hand over."""
-        kept = self.finished[: self.policy.group_size] if self.complete else self.current
-        versions = [v for t in kept if (v := t.oldest_version) is not None]
+        """The oldest action version among the attempts it would hand over or
+        still waits for (:meth:`live`)."""
+        versions = [v for t in self.live() if (v := t.oldest_version) is not None]
         return min(versions) if versions else None
 
     def to_group(self, version: int) -> Group:
@@ -176,6 +192,11 @@ class Ledger:
             self.completed += 1
         else:
             self.dropped[status.value] += 1
+
+    def unfinish(self) -> None:
+        """A completed attempt went stale before its group was handed over."""
+        self.completed -= 1
+        self.dropped[Status.STALE.value] += 1
 
     def check(self, in_flight: int, pending_groups: int) -> None:
         """Raises AssertionError if an attempt or a group is unaccounted for."""

@@ -254,7 +254,7 @@ def _accounting(stats: dict) -> str:
     """The backend's own counts, one line (shmvec's ``Rollouts.stats()`` and its env's)."""
     keys = (
         "launched", "completed", "in_flight", "dropped", "retries", "groups_delivered",
-        "groups_dropped", "worker_restarts", "env_resets",
+        "groups_dropped", "worker_restarts", "env_resets", "lag_held_share",
     )  # fmt: skip
     parts = []
     for key in keys:
@@ -263,6 +263,8 @@ def _accounting(stats: dict) -> str:
             continue
         if isinstance(value, list):
             value = sum(value)
+        if isinstance(value, float):
+            value = f"{value:.3f}"
         parts.append(f"{key}={value}")
     return " ".join(parts)
 
