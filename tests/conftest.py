@@ -4,8 +4,11 @@ environment."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+
+import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -20,3 +23,18 @@ def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", "slow: minutes-long runs, skipped unless SHMVEC_SLOW=1 is set"
     )
+
+
+def _needs(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (pip install 'shmvec[server]')")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_path():
+    """The tiny chat model's folder (built once, cached under the temp dir)."""
+    _needs("torch", "transformers", "tokenizers")
+    from shmvec.testing.tiny_llm import tiny_llm
+
+    return tiny_llm()
