@@ -172,6 +172,7 @@ class ServerPolicy(AsyncPolicy):
                 "failed": dict(self._failed),
                 "in_flight": self.limit.in_flight,
                 "in_flight_limit": self.limit.limit,
+                "in_flight_peak": self.limit.peak,
                 "latency_p50_s": float(np.percentile(latencies, 50))
                 if latencies is not None
                 else 0.0,
@@ -338,15 +339,21 @@ class ServerPolicy(AsyncPolicy):
         client = self._http()
         stream = await client.completions.create(prompt=prompt, **self._body(max_tokens, True))
         async with stream:
-            async for chunk in stream:
-                piece = parse_choice(chunk)
-                self._check_ids(piece.ids)
-                out.add(piece, version)
-                if piece.finish_reason is not None:
+            try:
+                async for chunk in stream:
+                    piece = parse_choice(chunk)
+                    self._check_ids(piece.ids)
+                    out.add(piece, version)
                     if piece.finish_reason == "abort":
                         out.finish_reason = None
                         raise ServerFault("aborted", "the server aborted the request", retry=True)
-                    return
+                    if piece.finish_reason is not None:
+                        return
+            except Exception as error:  # noqa: BLE001 - a broken stream is a fault of its own
+                fault = classify(error)
+                if fault.kind == "connect":
+                    raise ServerFault("dropped", f"the stream broke: {fault}", True) from error
+                raise fault from error
         raise ServerFault("dropped", "the stream ended before the completion finished", retry=True)
 
     # -------------------------------------------------------------- the server

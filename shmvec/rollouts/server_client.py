@@ -196,7 +196,7 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     as one, not as an ``openai`` error)."""
     import openai
 
-    http = importlib.import_module(type(openai.DEFAULT_TIMEOUT).__module__.split(".")[0])
+    http = importlib.import_module(type(openai.DEFAULT_CONNECTION_LIMITS).__module__.split(".")[0])
     return (http.TransportError, http.StreamError)
 
 
@@ -242,6 +242,7 @@ class InFlightLimit:
         self.target_latency_s, self.cooldown_s = target_latency_s, cooldown_s
         self.limit = maximum if not adaptive else max(minimum, min(maximum, 64))
         self.in_flight = 0
+        self.peak = 0  # the most requests that were in flight at once
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._good = 0
         self._cut_s = 0.0
@@ -258,6 +259,7 @@ class InFlightLimit:
     async def _acquire(self) -> None:
         if self.in_flight < self.limit and not self._waiters:
             self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
@@ -276,6 +278,7 @@ class InFlightLimit:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 self.in_flight += 1
+                self.peak = max(self.peak, self.in_flight)
                 waiter.set_result(None)
 
     def answered(self, latency_s: float) -> None:
