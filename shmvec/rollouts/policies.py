@@ -169,7 +169,8 @@ class AsyncPolicyRunner(PolicyRunner):
             asyncio.run_coroutine_threadsafe(self._call(row), self.loop)
 
     def set_version(self, version: int) -> None:
-        self.loop.call_soon_threadsafe(self._new_version, version)
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._new_version, version)
 
     def _new_version(self, version: int) -> None:
         self.loop_version = version
