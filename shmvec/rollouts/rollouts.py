@@ -287,6 +287,7 @@ class Rollouts:
         behind fail as ``stale`` (see ``on_stale``)."""
         with self._changed:
             self._book.set_version(version, time.monotonic())
+            self._runner.set_version(version)
             self._changed.notify_all()
 
     def stats(self) -> dict[str, Any]:

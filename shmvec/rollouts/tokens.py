@@ -1,0 +1,295 @@
+"""Token ids kept turn by turn, the next turn's prompt built from ids (never from re-rendered
+text), and what a trainer takes from trajectories and groups.
+
+A multi-turn chat sampled from a server is trained on the tokens the model produced. Decoding
+a turn's tokens and rendering the chat again does not give them back (byte-level BPE merges
+across the boundary, templates that drop or add whitespace), so each turn's prompt here is the
+previous turn's prompt and completion ids followed by the ids of what the chat template adds
+for the new observation (its *delta*), and each turn records:
+
+- ``prompt_ids``: the ids the completion was sampled from, as sent;
+- ``completion_ids``, ``logprobs``: as the server returned them, one log-probability per id;
+- ``versions``: the policy version that produced each completion id;
+- ``env_start``: where this turn's new (env) ids begin in ``prompt_ids``.
+
+:func:`trajectory_sample` and :func:`batch_samples` turn trajectories and groups into what a
+trainer consumes: the first prompt, the concatenated completion ids of every later turn
+(model and env tokens), a mask with 1 for model tokens and 0 for env tokens, per-token
+log-probabilities and versions, rewards and group ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Stands for an assistant reply while the template's boundaries are measured.
+_SENTINEL = "\x00shmvec-reply\x00"
+
+
+@dataclass
+class TurnTokens:
+    """One sampled turn, token by token (the extra a server policy keeps beside its action).
+
+    Attributes:
+        prompt_ids: the prompt sent, as token ids.
+        completion_ids: the sampled ids, as the server returned them (a stop token it
+            generated included).
+        logprobs: the log-probability of each completion id under the sampling weights.
+        versions: the policy version that produced each completion id.
+        env_start: ``prompt_ids[env_start:]`` are the ids this turn added after the previous
+            turn's prompt and completion (the whole prompt on the first turn).
+        messages: the chat messages this turn added (the opening messages on the first turn).
+        finish_reason: the server's (``"stop"``, ``"length"``).
+        drift: whether rendering the chat again as text and tokenizing it would have given
+            other prompt ids (None: not compared).
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    env_start: int = 0
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str = ""
+    drift: bool | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"a turn needs one logprob and one version per completion id: {n} ids, "
+                f"{len(self.logprobs)} logprobs, {len(self.versions)} versions"
+            )
+        if not 0 <= self.env_start <= len(self.prompt_ids):
+            raise ValueError(
+                f"env_start={self.env_start} is outside the prompt of {len(self.prompt_ids)} ids"
+            )
+
+    @property
+    def env_ids(self) -> list[int]:
+        """The ids this turn added to the context before sampling."""
+        return self.prompt_ids[self.env_start :]
+
+    @property
+    def context_ids(self) -> list[int]:
+        """The prompt's ids, then the completion's (what the next turn's prompt starts with)."""
+        return self.prompt_ids + self.completion_ids
+
+
+def next_prompt_ids(previous: TurnTokens, delta_ids: Sequence[int]) -> list[int]:
+    """The next turn's prompt: ``previous``'s prompt and completion ids, then ``delta_ids``."""
+    return [*previous.prompt_ids, *previous.completion_ids, *delta_ids]
+
+
+class ChatTokens:
+    """A tokenizer's chat template turned into ids turn by turn.
+
+    ``first_prompt(messages)`` renders the opening messages with the generation prompt;
+    ``delta(messages, completion_ids)`` gives the ids that follow a completion when
+    ``messages`` are added: the end of the assistant turn (less the stop token when the model
+    generated it), the new messages and the generation prompt, exactly as the template would
+    render them after that reply. ``rerender`` renders a whole chat as text and tokenizes it,
+    for counting drift.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template (``apply_chat_template``,
+            ``encode``, ``decode``).
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or its template is not append-only
+            (rendering a chat with more messages changes the text of the earlier ones).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer {type(tokenizer).__name__} has no chat template")
+        self.tokenizer = tokenizer
+        self._head = [{"role": "user", "content": "hi"}]
+        closed = self._render([*self._head, {"role": "assistant", "content": _SENTINEL}], False)
+        at = closed.find(_SENTINEL)
+        if at < 0:
+            raise ValueError("the chat template does not render an assistant reply's content")
+        self._closed = closed
+        #: What the template writes after an assistant reply's content.
+        self.close_text = closed[at + len(_SENTINEL) :]
+        self.stop_ids = frozenset(_stop_ids(tokenizer))
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        if not isinstance(text, str):
+            raise ValueError("the tokenizer's apply_chat_template(tokenize=False) gave no text")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def first_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The opening messages rendered with the generation prompt, as ids."""
+        _check_messages(messages)
+        return self.encode(self._render(messages, True))
+
+    def delta(self, messages: list[dict[str, Any]], completion_ids: Sequence[int]) -> list[int]:
+        """The ids that follow ``completion_ids`` when ``messages`` are added to the chat."""
+        _check_messages(messages)
+        grown = self._render(
+            [*self._head, {"role": "assistant", "content": _SENTINEL}, *messages], True
+        )
+        if not grown.startswith(self._closed):
+            raise ValueError(
+                "the chat template is not append-only (adding messages changes the text before "
+                "them): a turn's prompt cannot be the previous prompt and completion plus a delta"
+            )
+        ids = self.encode(self.close_text + grown[len(self._closed) :])
+        if (
+            completion_ids
+            and completion_ids[-1] in self.stop_ids
+            and ids[:1] == [completion_ids[-1]]
+        ):
+            ids = ids[1:]  # the model wrote the end of its turn itself
+        return ids
+
+    def reply_text(self, completion_ids: Sequence[int]) -> str:
+        """A completion as the text an assistant message would hold."""
+        return str(self.tokenizer.decode(list(completion_ids), skip_special_tokens=True))
+
+    def rerender(self, turns: Sequence[TurnTokens], messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt a text-only client would send after ``turns`` when ``messages`` come:
+        every message and every decoded reply rendered again and tokenized."""
+        chat: list[dict[str, Any]] = []
+        for turn in turns:
+            chat += turn.messages
+            chat.append({"role": "assistant", "content": self.reply_text(turn.completion_ids)})
+        return self.encode(self._render([*chat, *messages], True))
+
+
+def _stop_ids(tokenizer: Any) -> list[int]:
+    ids = getattr(tokenizer, "eos_token_id", None)
+    if ids is None:
+        return []
+    return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"a turn needs a non-empty list of chat messages, got {messages!r}")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"a chat message is a dict with 'role' and 'content', got {m!r}")
+
+
+@dataclass
+class TokenSample:
+    """One trajectory as a trainer consumes it.
+
+    ``completion_ids`` concatenates every turn's completion and, between them, the env ids
+    of the next turn; ``mask[i]`` is 1 for a model id and 0 for an env id; ``logprobs[i]``
+    and ``versions[i]`` are the sampling log-probability and policy version of a model id
+    (0.0 and -1 for env ids). ``prompt_ids + completion_ids`` is the last turn's prompt
+    and completion, id for id.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    turn_rewards: list[float]
+    group_id: int
+    index: int
+
+
+def trajectory_sample(trajectory: Any) -> TokenSample:
+    """The :class:`TokenSample` of a finished trajectory whose extras are :class:`TurnTokens`.
+
+    Raises:
+        ValueError: a turn's extra is not a ``TurnTokens``, or a turn's prompt does not start
+            with the previous turn's prompt and completion.
+    """
+    turns = list(trajectory.extras)
+    for t, turn in enumerate(turns):
+        if not isinstance(turn, TurnTokens):
+            raise ValueError(
+                f"step {t} of trajectory (group {trajectory.group_id}, index "
+                f"{trajectory.index}) kept {type(turn).__name__}, not TurnTokens"
+            )
+    prompt: list[int] = turns[0].prompt_ids if turns else []
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int] = []
+    for t, turn in enumerate(turns):
+        if t:
+            previous = turns[t - 1]
+            if turn.env_start != len(previous.prompt_ids) + len(previous.completion_ids) or (
+                turn.prompt_ids[: turn.env_start] != previous.context_ids
+            ):
+                raise ValueError(
+                    f"turn {t}'s prompt does not start with turn {t - 1}'s prompt and completion"
+                )
+            env = turn.env_ids
+            ids += env
+            mask += [0] * len(env)
+            logprobs += [0.0] * len(env)
+            versions += [-1] * len(env)
+        ids += turn.completion_ids
+        mask += [1] * len(turn.completion_ids)
+        logprobs += turn.logprobs
+        versions += turn.versions
+    return TokenSample(
+        prompt_ids=list(prompt),
+        completion_ids=ids,
+        mask=mask,
+        logprobs=logprobs,
+        versions=versions,
+        reward=float(sum(trajectory.rewards)),
+        turn_rewards=[float(r) for r in trajectory.rewards],
+        group_id=int(trajectory.group_id),
+        index=int(trajectory.index),
+    )
+
+
+@dataclass
+class TokenBatch:
+    """Groups as a trainer consumes them: one entry per kept trajectory, the trajectories
+    of a group contiguous (``group_ids`` tells them apart)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    mask: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    rewards: list[float]
+    group_ids: list[int]
+
+    def __len__(self) -> int:
+        return len(self.rewards)
+
+
+def batch_samples(groups: Iterable[Any]) -> TokenBatch:
+    """The :class:`TokenBatch` of complete groups (their kept trajectories, in order)."""
+    samples = [trajectory_sample(t) for g in groups for t in g.trajectories]
+    return TokenBatch(
+        prompt_ids=[s.prompt_ids for s in samples],
+        completion_ids=[s.completion_ids for s in samples],
+        mask=[s.mask for s in samples],
+        logprobs=[s.logprobs for s in samples],
+        versions=[s.versions for s in samples],
+        rewards=[s.reward for s in samples],
+        group_ids=[s.group_id for s in samples],
+    )
+
+
+__all__ = [
+    "ChatTokens",
+    "TokenBatch",
+    "TokenSample",
+    "TurnTokens",
+    "batch_samples",
+    "next_prompt_ids",
+    "trajectory_sample",
+]
