@@ -111,6 +111,7 @@ REFERENCE = {
     "shmvec.ray": "ray.md",
     "shmvec.rollouts": "rollouts.md",
     "shmvec.text_envs": "text_envs.md",
+    "shmvec.integrations.trl": "trl.md",
 }
 AUTODOC = re.compile(r"^\.\. auto(?:class|function|exception):: ([\w.]+)", re.M)
 

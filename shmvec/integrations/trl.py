@@ -1,6 +1,6 @@
 """TRL's ``GRPOTrainer`` with its envs in shmvec: a ``rollout_func`` that runs each prompt's
 ``num_generations`` trajectories as one group through :class:`~shmvec.rollouts.Rollouts`
-and hands the trainer their token ids, log-probabilities, env masks and env rewards.
+and hands the trainer their token ids, log-probabilities, env masks and env rewards::
 
     rollout_func = RolloutFunc.from_env_fns(
         [FrozenLakeText] * 8, env_concurrency=1,
@@ -16,9 +16,9 @@ in a row (a group) and wants one row back per prompt, in the same order: ``promp
 a token the env's reply added between turns) and ``env_reward``, which TRL passes to the
 reward functions (:func:`env_reward` returns it). Each row is one trajectory: the first
 turn's prompt, then every turn's completion with the env's reply between them, as ids
-(:mod:`shmvec.rollouts.tokens`: never decoded and rendered again).
+(``shmvec.rollouts.tokens``: never decoded and rendered again).
 
-The policy is any rollout policy whose extras are :class:`~shmvec.rollouts.tokens.TurnTokens`:
+The policy is any rollout policy whose extras are ``TurnTokens`` (``shmvec.rollouts.tokens``):
 :class:`ModelPolicy` samples with the trainer's own model in this process; an
 OpenAI-compatible server's policy works the same way. Needs ``pip install "shmvec[trl]"``.
 """
@@ -273,7 +273,7 @@ def turn_prompt(
 
     The first turn renders ``opening`` (e.g. a system message) and the observation as a user
     message; every later turn is the previous turn's prompt and completion ids followed by
-    the chat template's delta for the observation (:class:`~shmvec.rollouts.tokens.ChatTokens`).
+    the chat template's delta for the observation (``ChatTokens.delta``).
     """
     user = [{"role": "user", "content": observation}]
     if not trajectory.extras:
