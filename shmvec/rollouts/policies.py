@@ -29,6 +29,7 @@ import numpy as np
 from shmvec.rollouts.records import (
     PolicyBatch,
     PolicyError,
+    PolicyFailure,
     PolicyOutput,
     PolicyRow,
     RowOutput,
@@ -53,6 +54,14 @@ class AsyncPolicy:
             raise ValueError(f"concurrency must be an int >= 1, got {concurrency!r}")
         self.fn, self.concurrency = fn, concurrency
 
+    def set_version(self, version: int) -> None:
+        """Called on the policy's event loop when the rollouts' version changes, before any
+        call that is stamped with ``version`` starts (a subclass may interrupt calls)."""
+
+    async def aclose(self) -> None:
+        """Called on the policy's event loop once its calls are cancelled, when the rollouts
+        close (a subclass closes its clients)."""
+
 
 @dataclass
 class RowAnswer:
@@ -62,6 +71,7 @@ class RowAnswer:
     key: Any  # the loop's handle on the row (its attempt)
     output: Any = None
     error: BaseException | None = None
+    failure: str | None = None  # a PolicyFailure's message: the trajectory fails, the loop goes on
     started_s: float = 0.0
     ended_s: float = 0.0
 
@@ -107,6 +117,9 @@ class PolicyRunner:
         """Hands over rows that await an action (``observations``: theirs, batched)."""
         raise NotImplementedError
 
+    def set_version(self, version: int) -> None:
+        """The rollouts' version changed (``version()`` already gives it)."""
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -123,9 +136,12 @@ class AsyncPolicyRunner(PolicyRunner):
     """Runs an :class:`AsyncPolicy` on an event loop in its own thread.
 
     ``submit`` may be called from the rollout loop's thread; each call's row is
-    stamped with the policy version at its start (``version()``);
-    ``on_answer`` is called (from the event loop's thread) after each answer,
-    to wake the rollout loop. The policy is busy while at least one call runs.
+    stamped with the policy version at its start, as the event loop has it:
+    ``set_version`` hands a new version to the loop (and to the policy's
+    ``set_version``) ahead of every call submitted after it, so that a call and
+    the row it answers agree on their version. ``on_answer`` is called (from
+    the event loop's thread) after each answer, to wake the rollout loop. The
+    policy is busy while at least one call runs.
     """
 
     def __init__(
@@ -133,6 +149,7 @@ class AsyncPolicyRunner(PolicyRunner):
     ) -> None:
         super().__init__(version, on_answer)
         self.policy = policy
+        self.loop_version = version()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._serve, name="shmvec-policy", daemon=True)
         self.ready = threading.Event()
@@ -151,12 +168,21 @@ class AsyncPolicyRunner(PolicyRunner):
         for row in rows:
             asyncio.run_coroutine_threadsafe(self._call(row), self.loop)
 
+    def set_version(self, version: int) -> None:
+        self.loop.call_soon_threadsafe(self._new_version, version)
+
+    def _new_version(self, version: int) -> None:
+        self.loop_version = version
+        self.policy.set_version(version)
+
     async def _call(self, row: PolicyRow) -> None:
         async with self.limit:
             self.clock.start()
-            answer = RowAnswer((row.trajectory, self.version()), started_s=time.monotonic())
+            answer = RowAnswer((row.trajectory, self.loop_version), started_s=time.monotonic())
             try:
                 answer.output = await self.policy.fn(row)
+            except PolicyFailure as failure:
+                answer.failure = str(failure) or type(failure).__name__
             except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
                 answer.error = PolicyError(
                     f"the policy raised {error!r} for the row of env {row.env_id}"
@@ -186,6 +212,7 @@ class AsyncPolicyRunner(PolicyRunner):
         if not self.thread.is_alive():
             # let the cancelled calls unwind, so that none is destroyed while pending
             self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.run_until_complete(self.policy.aclose())
             self.loop.close()
 
 

@@ -49,6 +49,7 @@ class Status(str, enum.Enum):
     WORKER_DIED = "worker_died"  # its worker died and was restarted
     DEADLINE = "deadline"  # one step ran past the vector env's step_deadline
     STALE = "stale"  # its oldest action fell more than max_lag versions behind
+    POLICY_ERROR = "policy_error"  # the policy could not answer it (PolicyFailure)
     REDUNDANT = "redundant"  # its group already had group_size finished trajectories
     GROUP_DROPPED = "group_dropped"  # its group was dropped for another trajectory's failure
 
@@ -61,7 +62,9 @@ FINISHED = frozenset({Status.TERMINATED, Status.TRUNCATED, Status.MAX_STEPS})
 
 #: Failures a retry may cure: the env's state was lost, not the task's fault
 #: alone. A cancelled attempt (REDUNDANT, GROUP_DROPPED) is never retried.
-RETRYABLE = frozenset({Status.ENV_ERROR, Status.WORKER_DIED, Status.DEADLINE, Status.STALE})
+RETRYABLE = frozenset(
+    {Status.ENV_ERROR, Status.WORKER_DIED, Status.DEADLINE, Status.STALE, Status.POLICY_ERROR}
+)
 
 
 @dataclass
@@ -218,3 +221,10 @@ class RowOutput:
 class PolicyError(RuntimeError):
     """The policy raised or answered wrongly; raised in the trainer's thread by
     ``get_batch`` with the rows (env ids) it was given."""
+
+
+class PolicyFailure(Exception):
+    """Raised by a per-row policy that cannot answer a row (an inference server down past
+    its retries): the row's trajectory fails as ``policy_error`` with this message as its
+    reason, and the group policy counts, retries or drops it; the rollouts go on. Any other
+    exception from a policy is a :class:`PolicyError`, which stops them."""

@@ -357,6 +357,7 @@ class Rollouts:
             )
         with self._changed:
             self.version = version
+            self._runner.set_version(version)
             if self.max_lag is not None and self.on_stale != "wait":
                 now = time.monotonic()
                 for group in list(self._groups.values()):
@@ -770,6 +771,10 @@ class Rollouts:
                 raise answer.error
             if traj.status is not Status.RUNNING:
                 continue  # cancelled meanwhile; its env was freed then
+            if answer.failure is not None:
+                group = self._groups[traj.group_id]
+                self._fail(group, traj, Status.POLICY_ERROR, time.monotonic(), answer.failure)
+                continue
             action, extra = split_row_output(answer.output)
             traj.actions.append(action)
             traj.extras.append(extra)

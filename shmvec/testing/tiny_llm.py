@@ -55,8 +55,8 @@ class TinyLLMSpec:
 
     seed: int = 0
     vocab_size: int = 320
-    hidden_size: int = 64
-    intermediate_size: int = 128
+    hidden_size: int = 256  # 4 heads of 64: vLLM's CPU attention needs a head size it supports
+    intermediate_size: int = 512
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2

@@ -1,0 +1,458 @@
+"""A per-row policy that samples each action from an OpenAI-compatible inference server (vLLM,
+SGLang) with token ids in and token ids out.
+
+Each row's turn is one ``/v1/completions`` request whose prompt is a list of token ids: the
+first turn's is the opening messages rendered by the tokenizer's chat template; every later
+turn's is the previous turn's prompt and completion ids followed by the ids of what the
+template adds for the new messages (:mod:`shmvec.rollouts.tokens`). The reply's completion
+ids and log-probabilities are kept as they came (``return_token_ids``, ``logprobs``), with the
+policy version of every id, in a :class:`~shmvec.rollouts.tokens.TurnTokens` beside the text
+action.
+
+A server that fails (refuses connections while it starts, times out, answers 429 or 5xx, an
+empty reply or null log-probabilities) is asked again with backoff; past ``Retry.attempts``
+the row's trajectory fails as ``policy_error`` and the group policy counts, retries or drops
+it. With ``interrupt=True`` each request streams, and a new version cancels the requests
+still in flight: the tokens received so far are kept (stamped with the version that made
+them) and the completion goes on under the new version from the prompt plus those tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import random
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shmvec.rollouts.policies import AsyncPolicy
+from shmvec.rollouts.records import PolicyFailure, PolicyRow, RowOutput
+from shmvec.rollouts.server_client import (
+    OVERLOAD,
+    InFlightLimit,
+    Piece,
+    Retry,
+    Sampling,
+    ServerFault,
+    ServerSetupError,
+    classify,
+    make_client,
+    parse_choice,
+)
+from shmvec.rollouts.tokens import ChatTokens, Message, TurnTokens, next_prompt_ids
+
+#: Replies whose text is compared with the ids decoded by the policy's tokenizer, to find a
+#: tokenizer that is not the server's (ids decode to other text).
+TOKENIZER_CHECKS = 16
+#: Request latencies kept for ``stats()``'s percentiles.
+LATENCIES_KEPT = 10_000
+
+
+@dataclass
+class _Completion:
+    """A turn's completion as it grows over attempts."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, piece: Piece, version: int) -> None:
+        self.ids += piece.ids
+        self.logprobs += piece.logprobs
+        self.versions += [version] * len(piece.ids)
+        self.finish_reason = piece.finish_reason or self.finish_reason
+
+
+class ServerPolicy(AsyncPolicy):
+    """Actions sampled from an OpenAI-compatible server, token ids in and out.
+
+    Args:
+        base_url: the server's API root, e.g. ``"http://127.0.0.1:8000/v1"``.
+        model: the model name the server serves.
+        tokenizer: the model's Hugging Face tokenizer (with its chat template).
+        messages: ``messages(row) -> list of {"role", "content"}``: the chat messages the row's
+            observation adds (on a trajectory's first turn, the opening messages: system,
+            task, observation). The row has the trajectory (``row.trajectory.task``).
+        sampling: how completions are sampled.
+        retry: how failed requests are tried again.
+        max_in_flight: requests in flight at most (the HTTP pool holds as many connections).
+        adaptive: let the cap follow the server (see ``InFlightLimit``); ``max_in_flight`` is
+            then its ceiling.
+        target_latency_s: with ``adaptive``, a request slower than this counts as overload.
+        interrupt: stream each request, and on a new version cancel those in flight and go on
+            under the new version, keeping their tokens.
+        count_drift: also render each later turn's chat as text and tokenize it, and count the
+            turns whose ids would have differed (``stats()["drift_turns"]``).
+        action: turns the completion's text into the env's action (default: the text).
+        api_key: sent as the bearer token.
+        context_length: the model's context; default: the server's ``max_model_len`` if it
+            says, else unknown (the server's 400 then tells).
+
+    Raises (from ``act``, to the trainer): ``ServerSetupError`` for a server that is not
+    OpenAI-compatible, a model it does not serve, a tokenizer that is not its own or a request
+    it refuses; ``ValueError`` for a ``messages`` that returns no messages.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        tokenizer: Any,
+        messages: Callable[[PolicyRow], list[Message]],
+        *,
+        sampling: Sampling | None = None,
+        retry: Retry | None = None,
+        max_in_flight: int = 256,
+        adaptive: bool = False,
+        target_latency_s: float | None = None,
+        interrupt: bool = False,
+        count_drift: bool = False,
+        action: Callable[[str], Any] | None = None,
+        api_key: str = "EMPTY",
+        context_length: int | None = None,
+    ) -> None:
+        super().__init__(self.act, concurrency=1 << 30)  # requests are capped by max_in_flight
+        if not callable(messages) or inspect.iscoroutinefunction(messages):
+            raise TypeError(f"messages must be a plain function of a row, got {messages!r}")
+        self.base_url, self.model = base_url.rstrip("/"), model
+        self.chat = ChatTokens(tokenizer)
+        self.messages, self.action = messages, action
+        self.sampling, self.retry = sampling or Sampling(), retry or Retry()
+        self.limit = InFlightLimit(
+            max_in_flight, adaptive=adaptive, target_latency_s=target_latency_s
+        )
+        self.interrupt, self.count_drift = interrupt, count_drift
+        self.api_key, self.context_length = api_key, context_length
+        self.version = 0
+        self._client: Any = None
+        self._checked = False
+        self._check_lock: asyncio.Lock | None = None
+        self._vocab = len(tokenizer)
+        self._text_checks = 0
+        self._streams: dict[asyncio.Task[Any], int] = {}  # streamed requests -> their version
+        self._rng = random.Random()
+        self._lock = threading.Lock()  # stats are read from the trainer's thread
+        self._counts: Counter[str] = Counter()
+        self._faults: Counter[str] = Counter()
+        self._failed: Counter[str] = Counter()
+        self._latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
+
+    # -------------------------------------------------------------- the hooks
+
+    def set_version(self, version: int) -> None:
+        """Requests started from now on are stamped ``version``; with ``interrupt``, those in
+        flight under an older version are cancelled and go on under it. Call it on the
+        policy's event loop (``Rollouts.set_version`` does)."""
+        self.version = version
+        if self.interrupt:
+            for task, started in list(self._streams.items()):
+                if started < version and not task.done():
+                    task.cancel()
+
+    async def aclose(self) -> None:
+        """Closes the HTTP client (its connections); calls in flight should be cancelled first."""
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Requests, tokens and failures since construction (callable from any thread)."""
+        with self._lock:
+            latencies = np.array(self._latencies) if self._latencies else None
+            return {
+                **self._counts,
+                "faults": dict(self._faults),
+                "failed": dict(self._failed),
+                "in_flight": self.limit.in_flight,
+                "in_flight_limit": self.limit.limit,
+                "in_flight_peak": self.limit.peak,
+                "latency_p50_s": float(np.percentile(latencies, 50))
+                if latencies is not None
+                else 0.0,
+                "latency_p99_s": float(np.percentile(latencies, 99))
+                if latencies is not None
+                else 0.0,
+            }
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    # -------------------------------------------------------------- one turn
+
+    async def act(self, row: PolicyRow) -> RowOutput:
+        """Samples the row's action; returns its text (or ``action(text)``) with its
+        ``TurnTokens``."""
+        traj = row.trajectory
+        turns = list(traj.extras)
+        messages = self.messages(row)
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(
+                f"messages(row) returned {messages!r} for env {row.env_id}: it must return the "
+                "non-empty list of chat messages the observation adds"
+            )
+        if not turns:
+            prompt, env_start = self.chat.first_prompt(messages), 0
+        else:
+            previous = turns[-1]
+            if not isinstance(previous, TurnTokens):
+                raise ValueError(
+                    f"the trajectory's last extra is {type(previous).__name__}, not TurnTokens: "
+                    "a ServerPolicy must choose every action of its trajectories"
+                )
+            prompt = next_prompt_ids(previous, self.chat.delta(messages, previous.completion_ids))
+            env_start = len(previous.prompt_ids) + len(previous.completion_ids)
+        drift = None
+        if self.count_drift and turns:
+            drift = self.chat.rerender(turns, messages) != prompt
+            self._count("compared_turns")
+            self._count("drift_turns", int(drift))
+        await self._ensure_checked()
+        completion = await self._complete(prompt)
+        turn = TurnTokens(
+            prompt_ids=prompt,
+            completion_ids=completion.ids,
+            logprobs=completion.logprobs,
+            versions=completion.versions,
+            env_start=env_start,
+            messages=messages,
+            finish_reason=completion.finish_reason or "",
+            drift=drift,
+        )
+        text = self.chat.reply_text(completion.ids)
+        self._count("turns")
+        return RowOutput(self.action(text) if self.action is not None else text, turn)
+
+    async def _complete(self, prompt: list[int]) -> _Completion:
+        """The prompt's completion, over as many requests as failures and interruptions take.
+
+        Raises:
+            PolicyFailure: past ``retry.attempts`` failed requests, or a prompt too long.
+        """
+        budget = self.sampling.max_tokens
+        if self.context_length is not None:
+            room = self.context_length - len(prompt)
+            if room < 1:
+                self._fail("context_length")
+                raise PolicyFailure(
+                    f"context_length: a prompt of {len(prompt)} ids fills the model's context "
+                    f"of {self.context_length}"
+                )
+            budget = min(budget, room)
+        out = _Completion()
+        failures = 0
+        while True:
+            left = budget - len(out.ids)
+            if out.finish_reason is not None or left < 1:
+                break
+            version = self.version
+            started = time.monotonic()
+            try:
+                async with self.limit.slot():
+                    self._count("requests")
+                    if self.interrupt:
+                        finished = await self._streamed(prompt, out, left, version)
+                    else:
+                        out.add(await self._request(prompt + out.ids, left), version)
+                        finished = True
+                    if finished and not out.ids:
+                        out.finish_reason = None
+                        raise ServerFault("empty_reply", "a completion without a token", True)
+            except Exception as error:  # noqa: BLE001 - classified: a fault or a setup error
+                fault = classify(error)
+                failures += 1
+                with self._lock:
+                    self._faults[fault.kind] += 1
+                if fault.kind in OVERLOAD:
+                    self.limit.overloaded()
+                if not fault.retry or failures >= self.retry.attempts:
+                    self._fail(fault.kind)
+                    raise PolicyFailure(
+                        f"{fault} (after {failures} failed request(s) of this turn)"
+                    ) from error
+                await asyncio.sleep(self.retry.delay(failures, fault.retry_after, self._rng))
+                continue
+            latency = time.monotonic() - started
+            self.limit.answered(latency)
+            with self._lock:
+                self._latencies.append(latency)
+            if not finished:
+                self._count("interrupted")
+        self._count("tokens", len(out.ids))
+        if out.finish_reason is None:  # interrupted after its last token, before the end
+            out.finish_reason = "stop" if out.ids[-1] in self.chat.stop_ids else "length"
+        return out
+
+    def _fail(self, kind: str) -> None:
+        with self._lock:
+            self._failed[kind] += 1
+
+    def _body(self, max_tokens: int, stream: bool) -> dict[str, Any]:
+        s = self.sampling
+        body: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "logprobs": 0,
+            "stream": stream,
+            "extra_body": {"return_token_ids": True, **s.extra},
+        }
+        if s.seed is not None:
+            body["seed"] = s.seed
+        return body
+
+    async def _request(self, prompt: list[int], max_tokens: int) -> Piece:
+        client = self._http()
+        reply = await client.completions.create(prompt=prompt, **self._body(max_tokens, False))
+        piece = parse_choice(reply)
+        if not piece.ids:
+            raise ServerFault("empty_reply", "a reply with no token", retry=True)
+        self._check_reply(piece)
+        return piece
+
+    async def _streamed(
+        self, prompt: list[int], out: _Completion, max_tokens: int, version: int
+    ) -> bool:
+        """Streams a completion into ``out``; False if a new version interrupted it."""
+        task = asyncio.ensure_future(self._stream(prompt + out.ids, out, max_tokens, version))
+        self._streams[task] = version
+        try:
+            await asyncio.wait({task})
+        finally:
+            self._streams.pop(task, None)
+            if not task.done():
+                task.cancel()  # this call itself was cancelled (the rollouts close)
+        if task.cancelled():
+            return False
+        task.result()  # raises the stream's failure, its tokens so far kept in ``out``
+        return True
+
+    async def _stream(self, prompt: list[int], out: _Completion, max_tokens: int, version: int):
+        client = self._http()
+        stream = await client.completions.create(prompt=prompt, **self._body(max_tokens, True))
+        async with stream:
+            try:
+                async for chunk in stream:
+                    piece = parse_choice(chunk)
+                    self._check_ids(piece.ids)
+                    out.add(piece, version)
+                    if piece.finish_reason == "abort":
+                        out.finish_reason = None
+                        raise ServerFault("aborted", "the server aborted the request", retry=True)
+                    if piece.finish_reason is not None:
+                        return
+            except Exception as error:  # noqa: BLE001 - a broken stream is a fault of its own
+                fault = classify(error)
+                if fault.kind == "connect":
+                    raise ServerFault("dropped", f"the stream broke: {fault}", True) from error
+                raise fault from error
+        raise ServerFault("dropped", "the stream ended before the completion finished", retry=True)
+
+    # -------------------------------------------------------------- the server
+
+    def _http(self) -> Any:
+        if self._client is None:
+            self._client = make_client(
+                self.base_url, self.api_key, self.limit.maximum + 8, self.retry
+            )
+        return self._client
+
+    async def _ensure_checked(self) -> None:
+        """Checks the server once (the model is served, the tokenizer is its own); a server
+        that does not answer yet is waited for like a failed request."""
+        if self._checked:
+            return
+        if self._check_lock is None:
+            self._check_lock = asyncio.Lock()
+        failures = 0
+        while not self._checked:
+            try:
+                async with self._check_lock:
+                    if not self._checked:
+                        await self._check()
+                        self._checked = True
+            except Exception as error:  # noqa: BLE001 - classified
+                fault = classify(error)
+                failures += 1
+                with self._lock:
+                    self._faults[fault.kind] += 1
+                if not fault.retry or failures >= self.retry.attempts:
+                    self._fail(fault.kind)
+                    raise PolicyFailure(f"{fault} (while checking the server)") from error
+                await asyncio.sleep(self.retry.delay(failures, fault.retry_after, self._rng))
+
+    async def _check(self) -> None:
+        client = self._http()
+        try:
+            models = await client.models.list()
+            served = {m.id: m for m in models.data}
+        except (ValueError, TypeError, AttributeError, KeyError) as error:
+            raise ServerSetupError(
+                f"{self.base_url} is not an OpenAI-compatible server: GET /models answered "
+                f"{error!r:.200}"
+            ) from error
+        if self.model not in served:
+            raise ServerSetupError(
+                f"the server at {self.base_url} does not serve model {self.model!r}; it serves "
+                f"{sorted(served)}"
+            )
+        if self.context_length is None:
+            length = getattr(served[self.model], "max_model_len", None)
+            self.context_length = int(length) if isinstance(length, int) else None
+        await self._check_tokenizer(client)
+
+    async def _check_tokenizer(self, client: Any) -> None:
+        """Compares the server's tokenization of a probe text with the policy tokenizer's,
+        where the server has vLLM's ``/tokenize``."""
+        import openai
+
+        probe = self.chat.close_text + "shmvec probe: héllo, 42 + 7 = 49!"
+        root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        try:
+            answer = await client.post(
+                f"{root}/tokenize",
+                cast_to=object,
+                body={"model": self.model, "prompt": probe, "add_special_tokens": False},
+            )
+        except openai.APIStatusError as error:
+            if error.status_code in (404, 405):
+                return  # not vLLM: the replies' ids are checked instead
+            raise
+        theirs = answer.get("tokens") if isinstance(answer, dict) else None
+        ours = self.chat.encode(probe)
+        if theirs is not None and list(theirs) != ours:
+            raise ServerSetupError(
+                f"the tokenizer does not match the server's: {probe!r} is {ours} here and "
+                f"{theirs} on the server"
+            )
+
+    def _check_ids(self, ids: list[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self._vocab]
+        if bad:
+            raise ServerSetupError(
+                f"the server returned token ids {bad[:5]} outside the tokenizer's "
+                f"{self._vocab} ids: the tokenizer does not match the server's model"
+            )
+
+    def _check_reply(self, piece: Piece) -> None:
+        self._check_ids(piece.ids)
+        if piece.text is None or self._text_checks >= TOKENIZER_CHECKS:
+            return
+        self._text_checks += 1
+        ours = self.chat.reply_text(piece.ids).replace("\ufffd", "")
+        if ours != piece.text.replace("\ufffd", ""):
+            raise ServerSetupError(
+                f"the server's text {piece.text!r:.80} is not its ids decoded by the "
+                f"tokenizer ({ours!r:.80}): the tokenizer does not match the server's model"
+            )
+
+
+__all__ = ["Retry", "Sampling", "ServerPolicy", "ServerSetupError"]

@@ -1,0 +1,307 @@
+"""The HTTP side of :class:`~shmvec.rollouts.server.ServerPolicy`: one ``openai`` async client
+sized for thousands of requests, completions asked for with token-id prompts and read back as
+ids and log-probabilities, every failure classified as retryable or not, and a cap on the
+requests in flight that may adapt to the server's answers.
+
+Everything here runs on one event loop (the policy's); nothing blocks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import random
+import time
+from collections import deque
+from collections.abc import Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Words by which servers (vLLM, SGLang, llama.cpp) say that a prompt and its completion do not
+#: fit the model's context in a 400 reply.
+_CONTEXT_WORDS = (
+    "context length",
+    "context_length",
+    "maximum context",
+    "max_model_len",
+    "too long",
+)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each completion is sampled.
+
+    Attributes:
+        max_tokens: the most tokens a turn's completion may have (less where the model's
+            context has less room left).
+        temperature, top_p, seed: as the completions API takes them.
+        extra: other fields of the request body (``top_k``, ``min_p``, ``stop_token_ids``...).
+    """
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How failed requests are tried again, and how long one may take.
+
+    Attributes:
+        attempts: requests per turn that may fail before the trajectory fails as
+            ``policy_error`` (its tokens so far are kept between attempts).
+        backoff_s, max_backoff_s: the wait before attempt ``k + 1`` is drawn from
+            ``[0, min(max_backoff_s, backoff_s * 2**k)]`` ("full jitter"), or is the server's
+            ``Retry-After`` when it sends one (capped the same way).
+        timeout_s: a request fails as ``timeout`` after this long without a byte (a streamed
+            one: between two chunks).
+        connect_timeout_s: a connection not made in this time fails as ``connect``.
+    """
+
+    attempts: int = 8
+    backoff_s: float = 0.25
+    max_backoff_s: float = 8.0
+    timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"attempts must be an int >= 1, got {self.attempts!r}")
+        for name in ("backoff_s", "max_backoff_s", "timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    def delay(self, failures: int, retry_after: float | None, rng: random.Random) -> float:
+        cap = min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1))
+        if retry_after is not None:
+            return min(max(retry_after, 0.0), self.max_backoff_s)
+        return rng.uniform(0.0, cap)
+
+
+class ServerFault(Exception):
+    """A request that failed; ``kind`` names how (``connect``, ``timeout``, ``rate_limited``,
+    ``server_error``, ``context_length``, ``empty_reply``, ``no_logprobs``, ``dropped``,
+    ``aborted``), ``retry`` whether trying again may help."""
+
+    def __init__(self, kind: str, detail: str, retry: bool, retry_after: float | None = None):
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.retry, self.retry_after = kind, retry, retry_after
+
+
+class ServerSetupError(RuntimeError):
+    """The server cannot serve this policy at all (not OpenAI-compatible, another model, another
+    tokenizer, a request it refuses): raised to the trainer, never retried."""
+
+
+@dataclass
+class Piece:
+    """Tokens a reply (or one chunk of a streamed reply) brought."""
+
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    text: str | None = None
+
+
+def parse_choice(reply: Any) -> Piece:
+    """The first choice of a completions reply (or chunk) as a :class:`Piece`.
+
+    Raises:
+        ServerFault: the reply has no choice, no token ids or no log-probabilities.
+    """
+    choices = getattr(reply, "choices", None)
+    if not choices:
+        raise ServerFault("empty_reply", f"a reply without choices: {reply!r:.200}", retry=True)
+    choice = choices[0]
+    ids = getattr(choice, "token_ids", None)
+    finish = getattr(choice, "finish_reason", None)
+    if ids is None:
+        if finish is not None and getattr(choice, "logprobs", None) is None:
+            ids = []  # a stream's closing chunk may carry no token
+        else:
+            raise ServerFault(
+                "empty_reply",
+                "a reply without token_ids (the server must accept return_token_ids)",
+                retry=True,
+            )
+    logprobs = getattr(getattr(choice, "logprobs", None), "token_logprobs", None)
+    if ids and logprobs is None:
+        raise ServerFault("no_logprobs", "a reply whose logprobs are null", retry=True)
+    logprobs = list(logprobs or [])
+    if len(logprobs) != len(ids) or any(p is None for p in logprobs):
+        raise ServerFault(
+            "no_logprobs",
+            f"{len(ids)} token ids but log-probabilities {logprobs!r:.120}",
+            retry=True,
+        )
+    return Piece(
+        [int(i) for i in ids], [float(p) for p in logprobs], finish, getattr(choice, "text", None)
+    )
+
+
+def classify(error: BaseException) -> ServerFault:
+    """A failed request's exception as a :class:`ServerFault`.
+
+    Raises:
+        ServerSetupError: the server refused the request for a reason no retry cures.
+    """
+    import openai
+
+    if isinstance(error, ServerFault):
+        return error
+    if isinstance(error, openai.APITimeoutError):
+        return ServerFault("timeout", str(error), retry=True)
+    if isinstance(error, openai.APIConnectionError):
+        return ServerFault("connect", f"{error} ({error.__cause__!r})", retry=True)
+    if isinstance(error, openai.APIStatusError):
+        status, message = error.status_code, str(error)
+        retry_after = _retry_after(error)
+        if status == 429:
+            return ServerFault("rate_limited", message, retry=True, retry_after=retry_after)
+        if status >= 500 or status in (408, 409):
+            return ServerFault("server_error", message, retry=True, retry_after=retry_after)
+        if status == 400 and any(w in message.lower() for w in _CONTEXT_WORDS):
+            return ServerFault("context_length", message, retry=False)
+        if status == 404:
+            raise ServerSetupError(
+                f"the server answered 404 ({message}): it does not serve this model, or is not "
+                "an OpenAI-compatible server with /v1/completions"
+            ) from error
+        raise ServerSetupError(f"the server refused the request: {message}") from error
+    if isinstance(error, _transport_errors()):
+        return ServerFault("dropped", f"the connection broke: {error!r}", retry=True)
+    if isinstance(error, (ValueError, TypeError)) and "json" in str(error).lower():
+        return ServerFault("empty_reply", f"an unreadable reply: {error}", retry=True)
+    raise error
+
+
+def _retry_after(error: Any) -> float | None:
+    try:
+        value = error.response.headers.get("retry-after")
+        return float(value) if value is not None else None
+    except (AttributeError, ValueError):
+        return None
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The transport errors of the HTTP library under ``openai`` (a broken stream is raised
+    as one, not as an ``openai`` error)."""
+    import openai
+
+    http = importlib.import_module(type(openai.DEFAULT_CONNECTION_LIMITS).__module__.split(".")[0])
+    return (http.TransportError, http.StreamError)
+
+
+def make_client(base_url: str, api_key: str, connections: int, retry: Retry) -> Any:
+    """An ``openai.AsyncOpenAI`` whose connection pool holds ``connections`` connections (the
+    default holds 100 kept alive, which thousands of requests queue behind), with no retry of
+    its own (the policy retries) and ``retry``'s timeouts."""
+    import openai
+
+    limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
+        max_connections=connections, max_keepalive_connections=connections
+    )
+    timeout = openai.Timeout(retry.timeout_s, connect=retry.connect_timeout_s)
+    http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
+    return openai.AsyncOpenAI(
+        base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout, http_client=http
+    )
+
+
+class InFlightLimit:
+    """At most ``limit`` requests at once; waiters are served in order.
+
+    With ``adaptive``, the limit follows the server (additive increase, multiplicative
+    decrease): it halves, at most once per ``cooldown_s``, on an overload signal (429, 503,
+    a timeout, a request slower than ``target_latency_s``), and grows by one after ``limit``
+    requests in a row that were answered in time, never outside ``[minimum, maximum]``.
+    """
+
+    def __init__(
+        self,
+        maximum: int,
+        *,
+        adaptive: bool = False,
+        minimum: int = 1,
+        target_latency_s: float | None = None,
+        cooldown_s: float = 1.0,
+    ) -> None:
+        if not isinstance(maximum, int) or maximum < 1:
+            raise ValueError(f"max_in_flight must be an int >= 1, got {maximum!r}")
+        if not isinstance(minimum, int) or not 1 <= minimum <= maximum:
+            raise ValueError(f"min_in_flight must be an int in 1..{maximum}, got {minimum!r}")
+        self.maximum, self.minimum, self.adaptive = maximum, minimum, adaptive
+        self.target_latency_s, self.cooldown_s = target_latency_s, cooldown_s
+        self.limit = maximum if not adaptive else max(minimum, min(maximum, 64))
+        self.in_flight = 0
+        self.peak = 0  # the most requests that were in flight at once
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._good = 0
+        self._cut_s = 0.0
+
+    @asynccontextmanager
+    async def slot(self):  # -> AsyncIterator[None]
+        await self._acquire()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self._wake()
+
+    async def _acquire(self) -> None:
+        if self.in_flight < self.limit and not self._waiters:
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.in_flight -= 1  # granted, then cancelled: hand the slot on
+                self._wake()
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+            raise
+
+    def _wake(self) -> None:
+        while self._waiters and self.in_flight < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_flight += 1
+                self.peak = max(self.peak, self.in_flight)
+                waiter.set_result(None)
+
+    def answered(self, latency_s: float) -> None:
+        """A request was answered after ``latency_s``."""
+        if not self.adaptive:
+            return
+        if self.target_latency_s is not None and latency_s > self.target_latency_s:
+            self.overloaded()
+            return
+        self._good += 1
+        if self._good >= self.limit and self.limit < self.maximum:
+            self.limit, self._good = self.limit + 1, 0
+            self._wake()
+
+    def overloaded(self) -> None:
+        """The server said it is overloaded (429, 503, a timeout)."""
+        if not self.adaptive:
+            return
+        now = time.monotonic()
+        self._good = 0
+        if now - self._cut_s >= self.cooldown_s:
+            self.limit, self._cut_s = max(self.minimum, self.limit // 2), now
+
+
+#: Fault kinds that tell the in-flight limit the server is overloaded.
+OVERLOAD = frozenset({"rate_limited", "server_error", "timeout"})

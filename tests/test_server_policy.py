@@ -1,0 +1,324 @@
+"""ServerPolicy against a fake OpenAI-compatible server: the ids it sends and keeps, every
+server failure turned into retries and then into counted trajectory outcomes, the cap on
+requests in flight, close(), interruption across versions, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+
+import pytest
+
+from shmvec.rollouts import PolicyError, Rollouts, Status, Task
+from shmvec.rollouts.server import Retry, Sampling, ServerPolicy
+from shmvec.rollouts.server_client import InFlightLimit
+from shmvec.rollouts.tokens import TurnTokens, batch_samples
+from shmvec.text_envs import FrozenLakeText
+
+pytest.importorskip("openai", reason="ServerPolicy needs openai (pip install 'shmvec[server]')")
+pytest.importorskip("aiohttp", reason="the fake server needs aiohttp")
+pytest.importorskip("transformers", reason="the tiny chat model needs transformers")
+
+from llm_servers import FakeServer, free_port, random_faults  # noqa: E402
+
+FAST = Retry(attempts=6, backoff_s=0.01, max_backoff_s=0.05, timeout_s=2.0)
+STEPS = 3
+
+
+def messages(row):
+    if not row.trajectory.actions:
+        return [
+            {"role": "system", "content": "Play FrozenLake: answer left, down, right or up."},
+            {"role": "user", "content": row.observation},
+        ]
+    return [{"role": "user", "content": row.observation}]
+
+
+def policy(server, tokenizer, **kwargs) -> ServerPolicy:
+    kwargs.setdefault("retry", FAST)
+    kwargs.setdefault("sampling", Sampling(max_tokens=8))
+    return ServerPolicy(server.base_url, "tiny", tokenizer, messages, **kwargs)
+
+
+def rollouts(pol, envs: int = 8, group_size: int = 4, **kwargs) -> Rollouts:
+    lake = functools.partial(FrozenLakeText, max_episode_steps=STEPS, is_slippery=False)
+    return Rollouts.from_env_fns(
+        [lake] * envs, pol, env_concurrency=envs, group_size=group_size, **kwargs
+    )
+
+
+def run(pol, groups: int = 4, **kwargs):
+    with rollouts(pol, **kwargs) as r:
+        r.submit([Task(seed=s) for s in range(groups)])
+        batch = r.get_batch(groups, timeout=120)
+        return batch, r.stats()
+
+
+def turns_of(groups) -> list[TurnTokens]:
+    return [turn for g in groups for t in g.trajectories for turn in t.extras]
+
+
+def test_ids_sent_and_kept_are_the_servers(tiny_tokenizer):
+    """Every turn keeps the ids and logprobs the server sent for exactly the prompt it got,
+    and each later prompt is the previous prompt and completion followed by the delta."""
+    with FakeServer(tiny_tokenizer) as server:
+        pol = policy(server, tiny_tokenizer, count_drift=True)
+        groups, stats = run(pol)
+    by_prompt = {tuple(s.prompt): s for s in server.seen}
+    turns = turns_of(groups)
+    assert len(turns) == len(server.seen) == stats["steps"]
+    for turn in turns:
+        seen = by_prompt[tuple(turn.prompt_ids)]
+        assert turn.completion_ids == seen.ids and turn.logprobs == seen.logprobs
+        assert turn.versions == [0] * len(seen.ids)
+    for g in groups:
+        for traj in g.trajectories:
+            for prev, turn in zip(traj.extras, traj.extras[1:]):
+                assert turn.prompt_ids[: turn.env_start] == prev.prompt_ids + prev.completion_ids
+            assert traj.actions == [
+                tiny_tokenizer.decode(t.completion_ids, skip_special_tokens=True)
+                for t in traj.extras
+            ]
+    batch = batch_samples(groups)
+    assert len(batch) == 16 and batch.group_ids == [g.group_id for g in groups for _ in range(4)]
+    assert pol.stats()["compared_turns"] == sum(1 for t in turns if t.drift is not None) > 0
+
+
+@pytest.mark.parametrize("kind", ["503", "429", "500", "hang", "empty", "null_logprobs"])
+def test_failed_requests_are_retried(tiny_tokenizer, kind):
+    """The first requests fail; each is asked again and no trajectory fails."""
+    bad = 5
+    fault = lambda n, body: kind if n < bad else "ok"  # noqa: E731
+    with FakeServer(tiny_tokenizer, fault=fault, hang_s=3.0) as server:
+        pol = policy(server, tiny_tokenizer, retry=Retry(attempts=8, backoff_s=0.01, timeout_s=0.5))
+        groups, stats = run(pol)
+    assert stats["dropped"] == {} and len(groups) == 4
+    assert sum(pol.stats()["faults"].values()) == bad
+    expected = {"hang": "timeout", "503": "server_error", "500": "server_error"}
+    expected |= {"429": "rate_limited", "null_logprobs": "no_logprobs", "empty": "empty_reply"}
+    assert pol.stats()["faults"] == {expected[kind]: bad}
+
+
+def test_dropped_stream_keeps_its_tokens(tiny_tokenizer):
+    """A connection broken mid-stream: the tokens already received are kept and the
+    completion goes on from the prompt plus them."""
+    fault = lambda n, body: "drop" if n == 0 else "ok"  # noqa: E731
+    with FakeServer(tiny_tokenizer, fault=fault) as server:
+        pol = policy(server, tiny_tokenizer, interrupt=True)
+        groups, stats = run(pol, groups=1)
+    first = server.seen[0]
+    assert first.disconnected and 0 < len(first.ids) < first.max_tokens
+    resumed = next(s for s in server.seen if s.prompt == first.prompt + first.ids)
+    assert resumed.max_tokens == first.max_tokens - len(first.ids)
+    turn = next(t for t in turns_of(groups) if t.prompt_ids == first.prompt)
+    assert turn.completion_ids == first.ids + resumed.ids
+    assert turn.logprobs == first.logprobs + resumed.logprobs
+    assert pol.stats()["faults"] == {"dropped": 1} and stats["dropped"] == {}
+
+
+def test_server_that_starts_late_is_waited_for(tiny_tokenizer):
+    """Connections are refused until the server listens: the rows wait and retry."""
+    port = free_port()
+    late = FakeServer(tiny_tokenizer, port=port)
+    pol = ServerPolicy(
+        late.base_url,
+        "tiny",
+        tiny_tokenizer,
+        messages,
+        sampling=Sampling(max_tokens=8),
+        retry=Retry(attempts=40, backoff_s=0.05, max_backoff_s=0.2),
+    )
+    starter = threading.Timer(1.0, late.start)
+    starter.start()
+    try:
+        groups, stats = run(pol, groups=2)
+    finally:
+        starter.join()
+        late.stop()
+    assert stats["dropped"] == {} and len(groups) == 2
+    assert pol.stats()["faults"].get("connect", 0) >= 1
+
+
+def test_failures_past_the_retries_fail_trajectories_and_are_counted(tiny_tokenizer):
+    """With one request per turn allowed, each failed request fails its trajectory as
+    policy_error; the group policy retries them and every group is delivered."""
+    bad = 6
+    fault = lambda n, body: "503" if n < bad else "ok"  # noqa: E731
+    with FakeServer(tiny_tokenizer, fault=fault) as server:
+        pol = policy(server, tiny_tokenizer, retry=Retry(attempts=1))
+        groups, stats = run(pol, max_retries=bad)
+    assert len(groups) == 4
+    assert stats["dropped"] == {"policy_error": bad} and stats["retries"] == bad
+    failed = [t for g in groups for t in g.failed if t.status is Status.POLICY_ERROR]
+    assert len(failed) == bad
+    assert all("server_error" in t.reason for t in failed)
+    assert pol.stats()["failed"] == {"server_error": bad}
+
+
+def test_five_percent_faults_the_loop_never_stops(tiny_tokenizer):
+    """5% of requests answered 503 or left to time out: no exception reaches the trainer,
+    every fault is counted, every group is delivered."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    fault = random_faults(0.05, seed)
+    with FakeServer(tiny_tokenizer, fault=fault, hang_s=2.0) as server:
+        pol = policy(server, tiny_tokenizer, retry=Retry(backoff_s=0.01, timeout_s=0.3))
+        groups, stats = run(pol, groups=8, envs=16)
+    injected = sum(s.fault != "ok" for s in server.seen)
+    assert len(groups) == 8, f"seed {seed}"
+    assert sum(pol.stats()["faults"].values()) == injected, f"seed {seed}"
+    assert stats["dropped"] == {}, f"seed {seed}"
+
+
+def test_context_length_fails_the_trajectory_at_once(tiny_tokenizer):
+    fault = lambda n, body: "context" if n == 0 else "ok"  # noqa: E731
+    with FakeServer(tiny_tokenizer, fault=fault) as server:
+        pol = policy(server, tiny_tokenizer)
+        groups, stats = run(pol, groups=1)
+    assert stats["dropped"] == {"policy_error": 1}
+    (failed,) = [t for g in groups for t in g.failed]
+    assert failed.reason.startswith("context_length") and "after 1 failed" in failed.reason
+
+
+def test_a_prompt_past_the_context_fails_without_a_request(tiny_tokenizer):
+    """The opening prompt fits a context of 150 ids, the second turn's does not: each
+    trajectory fails as policy_error before sending it, and its group is dropped."""
+    with FakeServer(tiny_tokenizer, max_model_len=150) as server:
+        pol = policy(server, tiny_tokenizer)
+        with rollouts(pol, max_retries=0) as r:
+            r.submit([Task(seed=0)])
+            deadline = time.monotonic() + 60
+            while not r.stats()["groups_dropped"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            stats = r.stats()
+    assert stats["groups_dropped"] == {"policy_error": 1}
+    assert stats["dropped"]["policy_error"] >= 1
+    assert pol.stats()["failed"] == {"context_length": stats["dropped"]["policy_error"]}
+    assert server.seen and all(len(s.prompt) < 150 for s in server.seen)
+
+
+def test_requests_in_flight_are_capped(tiny_tokenizer):
+    with FakeServer(tiny_tokenizer, token_delay_s=0.005) as server:
+        pol = policy(server, tiny_tokenizer, max_in_flight=3, interrupt=True)
+        groups, _ = run(pol, groups=4, envs=16)
+    assert len(groups) == 4 and 1 <= server.max_active <= 3
+
+
+def test_adaptive_limit_halves_on_overload_and_grows_back():
+    limit = InFlightLimit(32, adaptive=True, minimum=2, cooldown_s=0.0)
+    start = limit.limit
+    limit.overloaded()
+    assert limit.limit == start // 2
+    for _ in range(5):
+        limit.overloaded()
+    assert limit.limit == 2
+    for _ in range(2):
+        limit.answered(0.01)
+    assert limit.limit == 3
+    slow = InFlightLimit(8, adaptive=True, target_latency_s=0.5, cooldown_s=0.0)
+    slow.answered(1.0)
+    assert slow.limit == 4
+    fixed = InFlightLimit(8)
+    fixed.overloaded()
+    assert fixed.limit == 8
+
+
+def test_close_cancels_requests_in_flight(tiny_tokenizer):
+    fault = lambda n, body: "hang"  # noqa: E731
+    with FakeServer(tiny_tokenizer, fault=fault, hang_s=60.0) as server:
+        pol = policy(server, tiny_tokenizer, retry=Retry(timeout_s=120.0))
+        r = rollouts(pol)
+        r.submit([Task(seed=0)])
+        deadline = time.monotonic() + 30
+        while server.active < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.active >= 4
+        started = time.monotonic()
+        r.close()
+        closed_s = time.monotonic() - started
+        deadline = time.monotonic() + 10
+        while server.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.active == 0 and all(s.disconnected for s in server.seen)
+    assert closed_s < 30  # far below the 60 s the server would hang
+
+
+def test_interrupt_continues_under_the_new_version(tiny_tokenizer):
+    """Streams in flight at set_version are cancelled after their first tokens; each goes on
+    under the new version from its prompt plus those tokens; every token keeps its version
+    and none is lost."""
+    hold = threading.Event()
+    with FakeServer(tiny_tokenizer, hold=hold, hold_after=3) as server:
+        pol = policy(server, tiny_tokenizer, interrupt=True)
+        with rollouts(pol) as r:
+            r.submit([Task(seed=0)])
+            deadline = time.monotonic() + 30
+            while server.held < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.held == 4
+            r.set_version(1)
+            deadline = time.monotonic() + 30
+            while sum(s.disconnected for s in server.seen) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            hold.set()
+            (group,) = r.get_batch(1, timeout=60)
+    assert pol.stats()["interrupted"] == 4
+    for traj in group.trajectories:
+        first = traj.extras[0]
+        assert first.versions == [0, 0, 0] + [1] * 5 and len(first.completion_ids) == 8
+        assert traj.versions[0] == 0 and all(t.versions == [1] * 8 for t in traj.extras[1:])
+        cut = next(s for s in server.seen if s.prompt == first.prompt_ids)
+        resumed = next(s for s in server.seen if s.prompt == first.prompt_ids + cut.ids)
+        assert cut.disconnected and cut.ids == first.completion_ids[:3]
+        assert first.completion_ids == cut.ids + resumed.ids
+    assert group.version == 1 and group.lag == 1
+
+
+@pytest.mark.parametrize(
+    ("server_kwargs", "model", "match"),
+    [
+        ({}, "other", "does not serve model 'other'"),
+        ({"openai": False}, "tiny", "not an OpenAI-compatible server"),
+        ({"tokenize": "other"}, "tiny", "tokenizer does not match the server's"),
+    ],
+)
+def test_bad_setups_raise_clear_errors(tiny_tokenizer, server_kwargs, model, match):
+    with FakeServer(tiny_tokenizer, **server_kwargs) as server:
+        pol = ServerPolicy(server.base_url, model, tiny_tokenizer, messages, retry=FAST)
+        with rollouts(pol) as r:
+            r.submit([Task(seed=0)])
+            with pytest.raises(PolicyError, match=match):
+                r.get_batch(1, timeout=60)
+
+
+def test_messages_that_return_nothing_raise(tiny_tokenizer):
+    with FakeServer(tiny_tokenizer) as server:
+        pol = ServerPolicy(server.base_url, "tiny", tiny_tokenizer, lambda row: [], retry=FAST)
+        with rollouts(pol) as r:
+            r.submit([Task(seed=0)])
+            with pytest.raises(PolicyError, match="must return the non-empty list"):
+                r.get_batch(1, timeout=60)
+
+
+def test_bad_arguments():
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "".join(m["content"] for m in messages)
+
+        def __len__(self):
+            return 10
+
+    async def coro(row):
+        return []
+
+    with pytest.raises(TypeError, match="messages must be a plain function"):
+        ServerPolicy("http://127.0.0.1:1/v1", "m", Tok(), coro)
+    with pytest.raises(ValueError, match="max_in_flight must be an int >= 1"):
+        ServerPolicy("http://127.0.0.1:1/v1", "m", Tok(), messages, max_in_flight=0)
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        Sampling(max_tokens=0)
+    with pytest.raises(ValueError, match="attempts must be an int >= 1"):
+        Retry(attempts=0)
