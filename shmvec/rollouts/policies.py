@@ -264,7 +264,7 @@ class BatchedPolicyRunner(PolicyRunner):
             self.calls += 1
             for row, output in zip(rows, outputs):
                 key = (row.trajectory, version)
-                self.answers.append(RowAnswer(key, output, error, started, ended))
+                self.answers.append(RowAnswer(key, output, error, started_s=started, ended_s=ended))
             self.on_answer()
 
     def _call(
