@@ -28,6 +28,7 @@ from shmvec.integrations.trl import (  # noqa: E402
     RolloutFunc,
     env_reward,
     turn_prompt,
+    user_message,
     whole_groups,
 )
 
@@ -230,7 +231,8 @@ def scripted_policy(tokenizer, calls=None):
 
     async def reply(row):
         trajectory = row.trajectory
-        prompt_ids, env_start, messages = turn_prompt(chat, trajectory, row.observation)
+        messages = user_message(row)
+        prompt_ids, env_start = turn_prompt(chat, trajectory.extras, messages)
         text = replies[(trajectory.index + trajectory.num_steps * (trajectory.index % 2)) % 4]
         ids = chat.encode(text) + [stop]
         turn = TurnTokens(
@@ -268,6 +270,38 @@ def test_grpo_trains_on_the_env_rewards_of_a_token_policy(tiny_llm_path, tokeniz
     assert any(log["loss"] != 0.0 for log in trainer.state.log_history[:STEPS])
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert changed, "the env rewards' advantages moved no weight"
+
+
+def test_grpo_trains_through_the_server_policy(tiny_llm_path, tokenizer):
+    """ServerPolicy (token ids in and out of an OpenAI-compatible server, here a fake one)
+    in the rollout function: the trainer takes the ids and logprobs the server sent."""
+    pytest.importorskip("openai", reason="ServerPolicy needs openai")
+    pytest.importorskip("aiohttp", reason="the fake server needs aiohttp")
+    from llm_servers import FakeServer
+
+    from shmvec.rollouts.server import Sampling, ServerPolicy
+
+    with FakeServer(tokenizer) as server:
+        policy = ServerPolicy(
+            server.base_url, "tiny", tokenizer, user_message, sampling=Sampling(max_tokens=8)
+        )
+        rollout_func = RolloutFunc.from_env_fns(
+            [lake] * 4, task_of, policy, env_concurrency=4, batch_size=2
+        )
+        calls = Calls(rollout_func)
+        try:
+            trainer = train(tiny_llm_path, tokenizer, calls, env_reward)
+            trainer.train()
+        finally:
+            rollout_func.close()
+    check_calls(calls.calls, trainer)  # versions too: the server policy stamps global_step
+    by_prompt = {tuple(seen.prompt): seen for seen in server.seen}
+    turns = [turn for _, groups, _, _ in calls.calls for g in groups for t in g.trajectories
+             for turn in t.extras]  # fmt: skip
+    assert len(turns) == len(server.seen) == STEPS * GROUPS_PER_CALL * GROUP * 3
+    for turn in turns:
+        seen = by_prompt[tuple(turn.prompt_ids)]
+        assert turn.completion_ids == seen.ids and turn.logprobs == seen.logprobs
 
 
 def stub_trainer(step=0, training=True, num_generations=2):
@@ -323,3 +357,11 @@ def test_model_policy_samples_only_inside_a_call():
         policy(types.SimpleNamespace(trajectories=[], observations=()))
     with pytest.raises(ValueError, match="max_new_tokens"):
         ModelPolicy(max_new_tokens=0)
+    with pytest.raises(TypeError, match="messages must be a function"):
+        ModelPolicy("You play FrozenLake")
+
+
+def test_a_turn_after_another_policys_turn_is_refused(tokenizer):
+    chat = ChatTokens(tokenizer)
+    with pytest.raises(ValueError, match="last extra is str, not TurnTokens"):
+        turn_prompt(chat, ["right"], [{"role": "user", "content": "again"}])

@@ -32,10 +32,18 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shmvec.rollouts import Group, PolicyBatch, PolicyError, PolicyOutput, Rollouts, Task
+from shmvec.rollouts import (
+    Group,
+    PolicyBatch,
+    PolicyError,
+    PolicyOutput,
+    PolicyRow,
+    Rollouts,
+    Task,
+)
 from shmvec.rollouts.tokens import ChatTokens, Message, TurnTokens, batch_samples, next_prompt_ids
 
-__all__ = ["ModelPolicy", "RolloutFunc", "env_reward", "turn_prompt"]
+__all__ = ["ModelPolicy", "RolloutFunc", "env_reward", "turn_prompt", "user_message"]
 
 #: The row key that carries each trajectory's total env reward to TRL's reward functions.
 ENV_REWARD = "env_reward"
@@ -88,10 +96,19 @@ class RolloutFunc:
         info_keys: Sequence[str] = (),
         timeout: float | None = None,
     ) -> None:
-        self._make: Callable[[int], Rollouts] = lambda group_size: Rollouts(
-            envs, policy, group_size=group_size, **self._rollout_kwargs
+        if not callable(task_of):
+            raise TypeError(f"task_of must be a callable prompt -> Task, got {task_of!r}")
+        self.envs, self.task_of, self.policy, self.timeout = envs, task_of, policy, timeout
+        # min_survivors and redundancy stay at their defaults: a group must have exactly
+        # num_generations rows, and nothing may run after a call has returned.
+        self._rollout_kwargs: dict[str, Any] = dict(
+            mode="sync", max_retries=max_retries, max_steps=max_steps, info_keys=tuple(info_keys)
         )
-        self._init(task_of, policy, max_retries, max_steps, info_keys, timeout)
+        self._env_fns: dict[str, Any] | None = None  # from_env_fns's, to make the envs with
+        self.rollouts: Rollouts | None = None
+        self.last_groups: list[Group] = []
+        self._failed: BaseException | None = None
+        self._closed = False
 
     @classmethod
     def from_env_fns(
@@ -103,48 +120,20 @@ class RolloutFunc:
         env_concurrency: int,
         batch_size: int | None = None,
         vector_kwargs: dict[str, Any] | None = None,
-        max_retries: int = 2,
-        max_steps: int | None = None,
-        info_keys: Sequence[str] = (),
-        timeout: float | None = None,
+        **kwargs: Any,
     ) -> RolloutFunc:
         """A rollout function over a ``ShmVectorEnv`` of ``env_fns``, made at the first call
         as :meth:`Rollouts.from_env_fns <shmvec.rollouts.Rollouts.from_env_fns>` makes it
-        (``env_concurrency``, ``batch_size``, ``vector_kwargs``); ``close()`` closes it."""
-        self = cls.__new__(cls)
-        self._make = lambda group_size: Rollouts.from_env_fns(
-            env_fns,
-            policy,
+        (``env_concurrency``, ``batch_size``, ``vector_kwargs``); ``close()`` closes it. The
+        other arguments are the constructor's."""
+        self = cls(None, task_of, policy, **kwargs)
+        self._env_fns = dict(
+            env_fns=list(env_fns),
             env_concurrency=env_concurrency,
             batch_size=batch_size,
             vector_kwargs=vector_kwargs,
-            group_size=group_size,
-            **self._rollout_kwargs,
         )
-        self._init(task_of, policy, max_retries, max_steps, info_keys, timeout)
         return self
-
-    def _init(
-        self,
-        task_of: Callable[[Any], Task],
-        policy: Any,
-        max_retries: int,
-        max_steps: int | None,
-        info_keys: Sequence[str],
-        timeout: float | None,
-    ) -> None:
-        if not callable(task_of):
-            raise TypeError(f"task_of must be a callable prompt -> Task, got {task_of!r}")
-        self.task_of, self.policy, self.timeout = task_of, policy, timeout
-        # min_survivors and redundancy stay at their defaults: a group must have exactly
-        # num_generations rows, and nothing may run after a call has returned.
-        self._rollout_kwargs: dict[str, Any] = dict(
-            mode="sync", max_retries=max_retries, max_steps=max_steps, info_keys=info_keys
-        )
-        self.rollouts: Rollouts | None = None
-        self.last_groups: list[Group] = []
-        self._failed: BaseException | None = None
-        self._closed = False
 
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
         """The rows of ``prompts`` (``num_generations`` copies of each prompt in a row), in
@@ -190,7 +179,17 @@ class RolloutFunc:
 
     def _rollouts(self, group_size: int) -> Rollouts:
         if self.rollouts is None:
-            self.rollouts = self._make(group_size)
+            if self._env_fns is not None:
+                self.rollouts = Rollouts.from_env_fns(
+                    policy=self.policy,
+                    group_size=group_size,
+                    **self._env_fns,
+                    **self._rollout_kwargs,
+                )
+            else:
+                self.rollouts = Rollouts(
+                    self.envs, self.policy, group_size=group_size, **self._rollout_kwargs
+                )
         elif self.rollouts.group_size != group_size:
             raise ValueError(
                 f"this call's groups have {group_size} trajectories but earlier ones had "
@@ -266,27 +265,34 @@ def whole_groups(prompts: Sequence[Any], group_size: int) -> list[Any]:
 # -------------------------------------------------------------- the trainer's own model
 
 
-def turn_prompt(
-    chat: ChatTokens, trajectory: Any, observation: str, opening: list[Message] | None = None
-) -> tuple[list[int], int, list[Message]]:
-    """The prompt of ``trajectory``'s next turn, as ``(prompt_ids, env_start, messages)``.
+def user_message(row: PolicyRow) -> list[Message]:
+    """The messages a turn adds by default: the observation as a user message."""
+    return [{"role": "user", "content": row.observation}]
 
-    The first turn renders ``opening`` (e.g. a system message) and the observation as a user
-    message; every later turn is the previous turn's prompt and completion ids followed by
-    the chat template's delta for the observation (``ChatTokens.delta``).
+
+def turn_prompt(
+    chat: ChatTokens, turns: Sequence[Any], messages: list[Message]
+) -> tuple[list[int], int]:
+    """The next turn's ``(prompt_ids, env_start)`` after ``turns`` (a trajectory's
+    ``TurnTokens`` so far) when ``messages`` come.
+
+    The first turn renders ``messages`` with the generation prompt; every later turn is the
+    previous turn's prompt and completion ids followed by the chat template's delta for
+    ``messages`` (``ChatTokens.delta``), whose ids begin at ``env_start``.
+
+    Raises:
+        ValueError: the previous turn kept something else than ``TurnTokens``.
     """
-    user = [{"role": "user", "content": observation}]
-    if not trajectory.extras:
-        messages = [*(opening or []), *user]
-        return chat.first_prompt(messages), 0, messages
-    previous = trajectory.extras[-1]
+    if not turns:
+        return chat.first_prompt(messages), 0
+    previous = turns[-1]
     if not isinstance(previous, TurnTokens):
-        raise PolicyError(
-            f"the previous turn of trajectory (group {trajectory.group_id}, index "
-            f"{trajectory.index}) kept {type(previous).__name__}, not TurnTokens"
+        raise ValueError(
+            f"the trajectory's last extra is {type(previous).__name__}, not TurnTokens: one "
+            "token policy must choose every action of its trajectories"
         )
-    delta = chat.delta(user, previous.completion_ids)
-    return next_prompt_ids(previous, delta), len(previous.context_ids), user
+    delta = chat.delta(messages, previous.completion_ids)
+    return next_prompt_ids(previous, delta), len(previous.context_ids)
 
 
 @dataclass
@@ -306,9 +312,12 @@ class ModelPolicy:
     process, keeping each turn's ids and log-probabilities as ``TurnTokens``.
 
     Args:
+        messages: ``messages(row) -> list of {"role", "content"}``: the chat messages the
+            row's observation adds (on a trajectory's first turn, the opening messages:
+            system, task, observation), as ``ServerPolicy`` takes them. Default: the
+            observation as a user message.
         max_new_tokens: the longest completion of one turn (default: the trainer's
             ``max_completion_length``).
-        system: a system message that opens every trajectory's chat.
 
     It samples from the whole distribution at the trainer's ``temperature`` (no top-k or
     top-p), so that each log-probability is the one TRL recomputes for the same weights; the
@@ -317,13 +326,19 @@ class ModelPolicy:
     model as TRL's own generation does (``trl.models.unwrap_model_for_generation``).
     """
 
-    def __init__(self, *, max_new_tokens: int | None = None, system: str | None = None) -> None:
+    def __init__(
+        self,
+        messages: Callable[[PolicyRow], list[dict[str, Any]]] = user_message,
+        *,
+        max_new_tokens: int | None = None,
+    ) -> None:
+        if not callable(messages):
+            raise TypeError(f"messages must be a function of a row, got {messages!r}")
         if max_new_tokens is not None and (
             not isinstance(max_new_tokens, int) or max_new_tokens < 1
         ):
             raise ValueError(f"max_new_tokens must be None or an int >= 1, got {max_new_tokens!r}")
-        self.max_new_tokens = max_new_tokens
-        self.opening: list[Message] = [{"role": "system", "content": system}] if system else []
+        self.messages, self.max_new_tokens = messages, max_new_tokens
         self._lock = threading.Lock()  # held while a batch is sampled
         self._session: _Session | None = None
         self._chat: ChatTokens | None = None
@@ -380,10 +395,18 @@ class ModelPolicy:
         import torch
         from transformers import GenerationConfig
 
-        prompts = [
-            turn_prompt(session.chat, trajectory, observation, self.opening)
-            for trajectory, observation in zip(batch.trajectories, batch.observations)
-        ]
+        prompts = []
+        for trajectory, observation, env_id in zip(
+            batch.trajectories, batch.observations, batch.env_ids
+        ):
+            messages = self.messages(PolicyRow(observation, trajectory, int(env_id)))
+            if not isinstance(messages, list) or not messages:
+                raise ValueError(
+                    f"messages(row) returned {messages!r} for env {env_id}: it must return the "
+                    "non-empty list of chat messages the observation adds"
+                )
+            prompt_ids, env_start = turn_prompt(session.chat, trajectory.extras, messages)
+            prompts.append((prompt_ids, env_start, messages))
         width = max(len(ids) for ids, _, _ in prompts)
         device = session.model.device
         input_ids = torch.tensor(
