@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+import shmvec
 from shmvec.rollouts import AsyncPolicy, PolicyError, RowOutput, Status, Task, replay
 from shmvec.rollouts.tokens import ChatTokens, TurnTokens
 from shmvec.text_envs import FrozenLakeText
@@ -337,6 +338,29 @@ def test_prompts_that_are_not_whole_groups_are_refused(tokenizer):
     with pytest.raises(RuntimeError, match="closed"):
         rollout_func(["1", "1"], stub_trainer())
     assert whole_groups(["a", "a", "b", "b", "a", "a"], 2) == ["a", "b", "a"]
+
+
+def test_a_vector_env_of_ones_own_stays_open(tokenizer):
+    envs = shmvec.ShmVectorEnv(
+        [lake] * 4, num_workers=2, batch_size=2, on_env_error="reset", on_worker_death="restart"
+    )
+    try:
+        with RolloutFunc(envs, task_of, scripted_policy(tokenizer)) as rollout_func:
+            # in eval mode a group has num_generations_eval trajectories
+            trainer = stub_trainer(training=False, num_generations=3)
+            out = rollout_func(["5"] * 3 + ["7"] * 3, trainer)
+            assert [g.task.seed for g in rollout_func.last_groups] == [5, 7]
+            assert len(out["prompt_ids"]) == 6
+        assert not envs.closed
+    finally:
+        envs.close()
+    sync = shmvec.ShmVectorEnv([lake] * 2, num_workers=1)
+    try:
+        with RolloutFunc(sync, task_of, scripted_policy(tokenizer)) as rollout_func:
+            with pytest.raises(ValueError, match="async mode"):
+                rollout_func(["1", "1"], stub_trainer())
+    finally:
+        sync.close()
 
 
 def test_a_group_that_cannot_finish_raises(tokenizer):
