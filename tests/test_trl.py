@@ -335,6 +335,10 @@ def test_prompts_that_are_not_whole_groups_are_refused(tokenizer):
         assert len(out["completion_ids"]) == 4 and len(out["env_reward"]) == 4
         with pytest.raises(ValueError, match="earlier ones had 2"):
             rollout_func(["1"] * 4, stub_trainer(num_generations=4))
+        rollout_func(["2", "2"], stub_trainer(step=3))
+        with pytest.raises(ValueError, match="at step 1, behind the 3 .* serves one trainer"):
+            rollout_func(["2", "2"], stub_trainer(step=1))
+        assert rollout_func(["6", "6"], stub_trainer(step=4))["env_reward"]  # still usable
     with pytest.raises(RuntimeError, match="closed"):
         rollout_func(["1", "1"], stub_trainer())
     assert whole_groups(["a", "a", "b", "b", "a", "a"], 2) == ["a", "b", "a"]

@@ -149,15 +149,21 @@ class RolloutFunc:
         group_size = _group_size(trainer)
         tasks = [self._task(prompt) for prompt in whole_groups(prompts, group_size)]
         rollouts = self._rollouts(group_size)
+        step = int(trainer.state.global_step)
+        if step < rollouts.version:
+            raise ValueError(
+                f"the trainer is at step {step}, behind the {rollouts.version} of an earlier "
+                "call: a rollout function serves one trainer (make one per training run)"
+            )
+        rollouts.set_version(step)
         session = getattr(self.policy, "trainer_session", None)
-        try:
-            rollouts.set_version(int(trainer.state.global_step))
-            with session(trainer) if session is not None else contextlib.nullcontext():
-                rollouts.submit(tasks)
+        with session(trainer) if session is not None else contextlib.nullcontext():
+            rollouts.submit(tasks)
+            try:
                 groups = self._collect(rollouts, tasks)
-        except BaseException as error:
-            self._failed = error
-            raise
+            except BaseException as error:  # its groups may be left running
+                self._failed = error
+                raise
         self.last_groups = groups
         batch = batch_samples(groups)
         return {
