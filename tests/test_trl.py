@@ -59,6 +59,14 @@ def broken_lake() -> BrokenLake:
     return BrokenLake(desc=["SFG"], is_slippery=False)
 
 
+def lake_messages(row):
+    """A system message opens each chat; every turn adds the observation as a user message."""
+    user = [{"role": "user", "content": row.observation}]
+    if not row.trajectory.actions:
+        return [{"role": "system", "content": "Answer left, down, right or up."}, *user]
+    return user
+
+
 def task_of(prompt: str) -> Task:
     return Task(seed=int(prompt))
 
@@ -179,7 +187,7 @@ def test_grpo_trains_on_the_groups_its_own_model_samples(tiny_llm_path, tokenize
                 assert torch.allclose(chosen[at], torch.tensor(logprobs)[at], atol=1e-4)
 
     rollout_func = RolloutFunc.from_env_fns(
-        [lake] * 6, task_of, ModelPolicy(), env_concurrency=1, batch_size=2,
+        [lake] * 6, task_of, ModelPolicy(lake_messages), env_concurrency=1, batch_size=2,
         vector_kwargs={"num_workers": 2},
     )  # fmt: skip
     calls = Calls(rollout_func, recompute_logprobs)
@@ -218,6 +226,10 @@ def test_grpo_trains_on_the_groups_its_own_model_samples(tiny_llm_path, tokenize
                 tokenizer.decode(turn.completion_ids, skip_special_tokens=True)
                 for turn in trajectory.extras
             ]
+            opening, *later = trajectory.extras
+            assert [m["role"] for m in opening.messages] == ["system", "user"]
+            assert tokenizer.decode(opening.prompt_ids).startswith("<|im_start|>system\nAnswer")
+            assert all([m["role"] for m in turn.messages] == ["user"] for turn in later)
             # and the trajectory replays alone, bit for bit
             assert replay(trajectory, lake).steps == 3
     assert unclaimed == []

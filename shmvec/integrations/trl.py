@@ -432,6 +432,7 @@ class ModelPolicy:
             pad_token_id=session.pad_id,
             return_dict_in_generate=True,
             output_logits=True,
+            disable_compile=True,  # as TRL's own generation: no compile per prompt length
         )
         output = session.model.generate(
             input_ids=input_ids, attention_mask=attention, generation_config=config
