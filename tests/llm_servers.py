@@ -44,6 +44,7 @@ class VLLMServer:
             os.environ.get("TMPDIR", "/tmp"), f"shmvec-vllm-{self.port}.log"
         )
         self.proc: subprocess.Popen[bytes] | None = None
+        self.shm: set[str] = set()  # the server's shared-memory files, removed after a kill
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> None:
@@ -67,13 +68,46 @@ class VLLMServer:
             try:
                 with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as reply:
                     if reply.status == 200:
+                        self.shm |= self._group_shm()
                         return
             except OSError:
                 pass
             time.sleep(1.0)
         raise TimeoutError(f"vLLM did not answer within {timeout_s} s; see {self.log_path}")
 
+    def _group_shm(self) -> set[str]:
+        """The /dev/shm files that the server's process group has mapped."""
+        if self.proc is None:
+            return set()
+        found = set()
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if os.getpgid(int(pid)) != self.proc.pid:
+                    continue
+                with open(f"/proc/{pid}/maps") as maps:
+                    for line in maps:
+                        path = line.split(maxsplit=5)[-1].strip()
+                        if path.startswith("/dev/shm/"):
+                            found.add(path.removesuffix(" (deleted)"))
+            except (OSError, ValueError):
+                continue
+        return found
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
+        """Signals the server's process group and waits; then removes the shared-memory
+        files its processes had mapped (a killed vLLM leaves them behind)."""
+        self.shm |= self._group_shm()
+        shm, self.shm = self.shm, set()
+        try:
+            self._signal(sig, timeout_s)
+        finally:
+            for path in shm:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+    def _signal(self, sig: int, timeout_s: float) -> None:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return

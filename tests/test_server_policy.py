@@ -5,6 +5,7 @@ requests in flight, close(), interruption across versions, and clear errors for 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import threading
 import time
@@ -322,3 +323,25 @@ def test_bad_arguments():
         Sampling(max_tokens=0)
     with pytest.raises(ValueError, match="attempts must be an int >= 1"):
         Retry(attempts=0)
+
+
+def test_many_failures_keep_envs_in_order(tiny_tokenizer):
+    """Requests fail at random with one attempt allowed: trajectories fail, groups retry and
+    drop while other attempts start and step; no env gets a command before its last result."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    with FakeServer(tiny_tokenizer, fault=random_faults(0.3, seed, ("503",))) as server:
+        pol = policy(server, tiny_tokenizer, retry=Retry(attempts=1))
+        tasks = (Task(seed=s) for s in itertools.count())
+        with rollouts(pol, envs=16, tasks=tasks) as r:
+            for _ in range(6):
+                assert len(r.get_batch(2, timeout=60)) == 2, f"seed {seed}"
+            stats = r.stats()
+    # a failed call whose attempt its group had cancelled meanwhile counts as group_dropped
+    failed_calls = sum(pol.stats()["failed"].values())
+    assert stats["dropped"]["policy_error"] <= failed_calls, f"seed {seed}"
+    assert failed_calls <= stats["dropped"]["policy_error"] + stats["dropped"].get(
+        "group_dropped", 0
+    ), f"seed {seed}"
+    assert stats["launched"] == (
+        stats["completed"] + sum(stats["dropped"].values()) + stats["in_flight"]
+    ), f"seed {seed}"

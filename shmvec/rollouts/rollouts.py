@@ -640,10 +640,11 @@ class Rollouts:
             self._tick_s = now
             self._launch_groups(now)
             starts = self._assign(now)
-            answers = self._take_answers()
-            # Busy from now on, so that an attempt failed meanwhile (set_version)
-            # leaves its env to the result's arrival instead of freeing it.
+            # Busy from now on, so that an attempt failed meanwhile (set_version, a
+            # policy failure among the answers) leaves its env to the result's arrival
+            # instead of freeing it.
             self._busy.update(env for env, _ in starts)
+            answers = self._take_answers()
             self._busy.update(env for env, _ in answers)
             if not starts and not answers and not self._busy:
                 self._changed.wait(POLL_S if self._runner.outstanding else RECV_SLICE_S)
@@ -765,16 +766,20 @@ class Rollouts:
     def _take_answers(self) -> list[tuple[int, Any]]:
         """The policy's answers for attempts still running, recorded, as (env, action)."""
         answers = []
-        for answer in self._runner.take():
+        taken = self._runner.take()
+        # Failures first: one may cancel its group's other attempts, whose answers are then
+        # not sent (their envs are freed at once, not left to a result).
+        for answer in taken:
+            traj = answer.key[0]
+            if answer.failure is not None and traj.status is Status.RUNNING:
+                group = self._groups[traj.group_id]
+                self._fail(group, traj, Status.POLICY_ERROR, time.monotonic(), answer.failure)
+        for answer in taken:
             traj, version = answer.key
             if answer.error is not None:
                 raise answer.error
-            if traj.status is not Status.RUNNING:
-                continue  # cancelled meanwhile; its env was freed then
-            if answer.failure is not None:
-                group = self._groups[traj.group_id]
-                self._fail(group, traj, Status.POLICY_ERROR, time.monotonic(), answer.failure)
-                continue
+            if traj.status is not Status.RUNNING or answer.failure is not None:
+                continue  # cancelled or failed meanwhile; its env was freed then
             action, extra = split_row_output(answer.output)
             traj.actions.append(action)
             traj.extras.append(extra)

