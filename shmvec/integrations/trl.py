@@ -252,7 +252,7 @@ def whole_groups(prompts: Sequence[Any], group_size: int) -> list[Any]:
             f"rollout_func got {count} prompts, not a whole number of groups of "
             f"num_generations={group_size}. TRL hands each process num_generations copies of "
             "a prompt in a row; over several processes a group stays whole only when "
-            "per_device_train_batch_size is a multiple of num_generations"
+            "per_device_train_batch_size * steps_per_generation is a multiple of it"
         )
     firsts = []
     for start in range(0, count, group_size):
