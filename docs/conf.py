@@ -47,7 +47,7 @@ napoleon_numpy_docstring = False
 # references to them stay plain text instead of failing the nitpicky build.
 nitpick_ignore_regex = [
     (r"py:.*", r"(gym|gymnasium|np|numpy|torch|ray|stable_baselines3|multiprocessing)(\..*)?"),
-    (r"py:.*", r"(collections\.abc|typing|types)\..*"),
+    (r"py:.*", r"(collections\.abc|typing|types|pathlib)\..*"),
     (r"py:.*", r"(ArrayType|Seeds|Options|VecEnvIndices|VecEnvObs|VecEnvStepReturn|Env)"),
     (r"py:.*", r"(AutoresetMode|EnvSpec|Space|VectorEnv|VecEnv|ResultHandoff|SpanPacker)"),
     # The constructor's "Args:" entries read "name (type, default value)": napoleon hands

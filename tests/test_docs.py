@@ -110,6 +110,8 @@ REFERENCE = {
     "shmvec.sb3": "sb3.md",
     "shmvec.ray": "ray.md",
     "shmvec.rollouts": "rollouts.md",
+    "shmvec.rollouts.server": "rollouts.md",
+    "shmvec.rollouts.tokens": "rollouts.md",
     "shmvec.text_envs": "text_envs.md",
     "shmvec.integrations.trl": "trl.md",
 }

@@ -24,7 +24,7 @@ pytest.importorskip("transformers", reason="the tiny chat model needs transforme
 
 from llm_servers import FakeServer, free_port, random_faults  # noqa: E402
 
-FAST = Retry(attempts=6, backoff_s=0.01, max_backoff_s=0.05, timeout_s=2.0)
+FAST = Retry(attempts=6, backoff_s=0.01, max_backoff_s=0.05, timeout_s=60.0)
 STEPS = 3
 
 
@@ -92,14 +92,21 @@ def test_failed_requests_are_retried(tiny_tokenizer, kind):
     """The first requests fail; each is asked again and no trajectory fails."""
     bad = 5
     fault = lambda n, body: kind if n < bad else "ok"  # noqa: E731
-    with FakeServer(tiny_tokenizer, fault=fault, hang_s=3.0) as server:
-        pol = policy(server, tiny_tokenizer, retry=Retry(attempts=8, backoff_s=0.01, timeout_s=0.5))
+    timeout_s = 1.0 if kind == "hang" else 60.0
+    with FakeServer(tiny_tokenizer, fault=fault, hang_s=30.0) as server:
+        retry = Retry(attempts=8, backoff_s=0.01, timeout_s=timeout_s)
+        pol = policy(server, tiny_tokenizer, retry=retry)
         groups, stats = run(pol)
     assert stats["dropped"] == {} and len(groups) == 4
-    assert sum(pol.stats()["faults"].values()) == bad
+    faults = pol.stats()["faults"]
+    # every request the server saw is a kept turn or a counted fault
+    assert len(server.seen) == stats["steps"] + sum(faults.values())
     expected = {"hang": "timeout", "503": "server_error", "500": "server_error"}
     expected |= {"429": "rate_limited", "null_logprobs": "no_logprobs", "empty": "empty_reply"}
-    assert pol.stats()["faults"] == {expected[kind]: bad}
+    if kind == "hang":  # (a slow machine may let an answered request time out too)
+        assert faults.keys() == {"timeout"} and faults["timeout"] >= bad
+    else:
+        assert faults == {expected[kind]: bad}
 
 
 def test_dropped_stream_keeps_its_tokens(tiny_tokenizer):
@@ -113,9 +120,10 @@ def test_dropped_stream_keeps_its_tokens(tiny_tokenizer):
     assert first.disconnected and 0 < len(first.ids) < first.max_tokens
     resumed = next(s for s in server.seen if s.prompt == first.prompt + first.ids)
     assert resumed.max_tokens == first.max_tokens - len(first.ids)
-    turn = next(t for t in turns_of(groups) if t.prompt_ids == first.prompt)
-    assert turn.completion_ids == first.ids + resumed.ids
-    assert turn.logprobs == first.logprobs + resumed.logprobs
+    kept = [
+        (t.completion_ids, t.logprobs) for t in turns_of(groups) if t.prompt_ids == first.prompt
+    ]
+    assert (first.ids + resumed.ids, first.logprobs + resumed.logprobs) in kept
     assert pol.stats()["faults"] == {"dropped": 1} and stats["dropped"] == {}
 
 
@@ -164,11 +172,13 @@ def test_five_percent_faults_the_loop_never_stops(tiny_tokenizer):
     seed = int.from_bytes(os.urandom(4), "little")
     fault = random_faults(0.05, seed)
     with FakeServer(tiny_tokenizer, fault=fault, hang_s=2.0) as server:
-        pol = policy(server, tiny_tokenizer, retry=Retry(backoff_s=0.01, timeout_s=0.3))
+        pol = policy(server, tiny_tokenizer, retry=Retry(backoff_s=0.01, timeout_s=1.0))
         groups, stats = run(pol, groups=8, envs=16)
     injected = sum(s.fault != "ok" for s in server.seen)
+    faults = pol.stats()["faults"]
     assert len(groups) == 8, f"seed {seed}"
-    assert sum(pol.stats()["faults"].values()) == injected, f"seed {seed}"
+    assert len(server.seen) == stats["steps"] + sum(faults.values()), f"seed {seed}"
+    assert sum(faults.values()) >= injected, f"seed {seed}"  # (a slow answer may time out too)
     assert stats["dropped"] == {}, f"seed {seed}"
 
 
@@ -194,8 +204,11 @@ def test_a_prompt_past_the_context_fails_without_a_request(tiny_tokenizer):
                 time.sleep(0.02)
             stats = r.stats()
     assert stats["groups_dropped"] == {"policy_error": 1}
-    assert stats["dropped"]["policy_error"] >= 1
-    assert pol.stats()["failed"] == {"context_length": stats["dropped"]["policy_error"]}
+    dropped = stats["dropped"]
+    assert dropped["policy_error"] >= 1 and sum(dropped.values()) == 4
+    assert dropped.keys() <= {"policy_error", "group_dropped"}
+    (calls,) = pol.stats()["failed"].values()
+    assert pol.stats()["failed"] == {"context_length": calls} and calls >= dropped["policy_error"]
     assert server.seen and all(len(s.prompt) < 150 for s in server.seen)
 
 

@@ -71,9 +71,9 @@ class RowAnswer:
     key: Any  # the loop's handle on the row (its attempt)
     output: Any = None
     error: BaseException | None = None
-    failure: str | None = None  # a PolicyFailure's message: the trajectory fails, the loop goes on
     started_s: float = 0.0
     ended_s: float = 0.0
+    failure: str | None = None  # a PolicyFailure's message: the trajectory fails, the loop goes on
 
 
 class BusyClock:

@@ -45,7 +45,7 @@ from shmvec.rollouts.server_client import (
     make_client,
     parse_choice,
 )
-from shmvec.rollouts.tokens import ChatTokens, Message, TurnTokens, next_prompt_ids
+from shmvec.rollouts.tokens import ChatTokens, TurnTokens, next_prompt_ids
 
 #: Replies whose text is compared with the ids decoded by the policy's tokenizer, to find a
 #: tokenizer that is not the server's (ids decode to other text).
@@ -105,7 +105,7 @@ class ServerPolicy(AsyncPolicy):
         base_url: str,
         model: str,
         tokenizer: Any,
-        messages: Callable[[PolicyRow], list[Message]],
+        messages: Callable[[PolicyRow], list[dict[str, Any]]],
         *,
         sampling: Sampling | None = None,
         retry: Retry | None = None,
@@ -455,4 +455,4 @@ class ServerPolicy(AsyncPolicy):
             )
 
 
-__all__ = ["Retry", "Sampling", "ServerPolicy", "ServerSetupError"]
+__all__ = ["Retry", "Sampling", "ServerFault", "ServerPolicy", "ServerSetupError"]

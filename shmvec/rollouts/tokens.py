@@ -24,8 +24,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-Message = dict[str, Any]
-
 #: Stands for an assistant reply while the template's boundaries are measured.
 _SENTINEL = "\x00shmvec-reply\x00"
 
@@ -53,7 +51,7 @@ class TurnTokens:
     logprobs: list[float]
     versions: list[int]
     env_start: int = 0
-    messages: list[Message] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str = ""
     drift: bool | None = None
 
@@ -76,7 +74,7 @@ class TurnTokens:
 
     @property
     def context_ids(self) -> list[int]:
-        """Prompt and completion: what the next turn's prompt starts with."""
+        """The prompt's ids, then the completion's (what the next turn's prompt starts with)."""
         return self.prompt_ids + self.completion_ids
 
 
@@ -118,7 +116,7 @@ class ChatTokens:
         self.close_text = closed[at + len(_SENTINEL) :]
         self.stop_ids = frozenset(_stop_ids(tokenizer))
 
-    def _render(self, messages: list[Message], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt
         )
@@ -129,12 +127,12 @@ class ChatTokens:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def first_prompt(self, messages: list[Message]) -> list[int]:
+    def first_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """The opening messages rendered with the generation prompt, as ids."""
         _check_messages(messages)
         return self.encode(self._render(messages, True))
 
-    def delta(self, messages: list[Message], completion_ids: Sequence[int]) -> list[int]:
+    def delta(self, messages: list[dict[str, Any]], completion_ids: Sequence[int]) -> list[int]:
         """The ids that follow ``completion_ids`` when ``messages`` are added to the chat."""
         _check_messages(messages)
         grown = self._render(
@@ -158,10 +156,10 @@ class ChatTokens:
         """A completion as the text an assistant message would hold."""
         return str(self.tokenizer.decode(list(completion_ids), skip_special_tokens=True))
 
-    def rerender(self, turns: Sequence[TurnTokens], messages: list[Message]) -> list[int]:
+    def rerender(self, turns: Sequence[TurnTokens], messages: list[dict[str, Any]]) -> list[int]:
         """The prompt a text-only client would send after ``turns`` when ``messages`` come:
         every message and every decoded reply rendered again and tokenized."""
-        chat: list[Message] = []
+        chat: list[dict[str, Any]] = []
         for turn in turns:
             chat += turn.messages
             chat.append({"role": "assistant", "content": self.reply_text(turn.completion_ids)})
@@ -284,3 +282,14 @@ def batch_samples(groups: Iterable[Any]) -> TokenBatch:
         rewards=[s.reward for s in samples],
         group_ids=[s.group_id for s in samples],
     )
+
+
+__all__ = [
+    "ChatTokens",
+    "TokenBatch",
+    "TokenSample",
+    "TurnTokens",
+    "batch_samples",
+    "next_prompt_ids",
+    "trajectory_sample",
+]

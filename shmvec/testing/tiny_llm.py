@@ -75,7 +75,7 @@ def default_cache_dir() -> Path:
 
 def tiny_llm(spec: TinyLLMSpec | None = None, cache_dir: str | Path | None = None) -> Path:
     """The folder of the tiny model ``spec`` (default ``TinyLLMSpec()``), built on first
-    use under ``cache_dir`` (default :func:`default_cache_dir`); safe to call from
+    use under ``cache_dir`` (default ``default_cache_dir()``); safe to call from
     several processes at once (each builds aside, the first rename wins)."""
     spec = spec or TinyLLMSpec()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
