@@ -16,11 +16,12 @@ in a row (a group) and wants one row back per prompt, in the same order: ``promp
 a token the env's reply added between turns) and ``env_reward``, which TRL passes to the
 reward functions (:func:`env_reward` returns it). Each row is one trajectory: the first
 turn's prompt, then every turn's completion with the env's reply between them, as ids
-(``shmvec.rollouts.tokens``: never decoded and rendered again).
+(:mod:`shmvec.rollouts.tokens`: never decoded and rendered again).
 
-The policy is any rollout policy whose extras are ``TurnTokens`` (``shmvec.rollouts.tokens``):
-:class:`ModelPolicy` samples with the trainer's own model in this process; an
-OpenAI-compatible server's policy works the same way. Needs ``pip install "shmvec[trl]"``.
+The policy is any rollout policy whose extras are :class:`~shmvec.rollouts.tokens.TurnTokens`:
+:class:`ModelPolicy` samples with the trainer's own model in this process, and
+:class:`~shmvec.rollouts.server.ServerPolicy` from an OpenAI-compatible server. Needs
+``pip install "shmvec[trl]"``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from shmvec.rollouts import (
     Rollouts,
     Task,
 )
-from shmvec.rollouts.tokens import ChatTokens, Message, TurnTokens, batch_samples, next_prompt_ids
+from shmvec.rollouts.tokens import ChatTokens, TurnTokens, batch_samples, next_prompt_ids
 
 __all__ = ["ModelPolicy", "RolloutFunc", "env_reward", "turn_prompt", "user_message"]
 
@@ -271,20 +272,21 @@ def whole_groups(prompts: Sequence[Any], group_size: int) -> list[Any]:
 # -------------------------------------------------------------- the trainer's own model
 
 
-def user_message(row: PolicyRow) -> list[Message]:
+def user_message(row: PolicyRow) -> list[dict[str, Any]]:
     """The messages a turn adds by default: the observation as a user message."""
     return [{"role": "user", "content": row.observation}]
 
 
 def turn_prompt(
-    chat: ChatTokens, turns: Sequence[Any], messages: list[Message]
+    chat: ChatTokens, turns: Sequence[Any], messages: list[dict[str, Any]]
 ) -> tuple[list[int], int]:
     """The next turn's ``(prompt_ids, env_start)`` after ``turns`` (a trajectory's
-    ``TurnTokens`` so far) when ``messages`` come.
+    :class:`~shmvec.rollouts.tokens.TurnTokens` so far) when ``messages`` come.
 
     The first turn renders ``messages`` with the generation prompt; every later turn is the
     previous turn's prompt and completion ids followed by the chat template's delta for
-    ``messages`` (``ChatTokens.delta``), whose ids begin at ``env_start``.
+    ``messages`` (:meth:`ChatTokens.delta <shmvec.rollouts.tokens.ChatTokens.delta>`), whose
+    ids begin at ``env_start``.
 
     Raises:
         ValueError: the previous turn kept something else than ``TurnTokens``.
@@ -320,7 +322,8 @@ class ModelPolicy:
     Args:
         messages: ``messages(row) -> list of {"role", "content"}``: the chat messages the
             row's observation adds (on a trajectory's first turn, the opening messages:
-            system, task, observation), as ``ServerPolicy`` takes them. Default: the
+            system, task, observation), as
+            :class:`~shmvec.rollouts.server.ServerPolicy` takes them. Default: the
             observation as a user message.
         max_new_tokens: the longest completion of one turn (default: the trainer's
             ``max_completion_length``).
