@@ -133,7 +133,28 @@ def test_a_thousand_trajectories_at_once(vllm_server, tiny_tokenizer):
     assert stats["launched"] == stats["completed"] + sum(stats["dropped"].values())
     assert sum(stats["dropped"].values()) == sum(pol.stats()["failed"].values())
     client_threads = peak[0] - baseline
+    print(f"OS threads: {before} before, {baseline} with the rollouts, peak {peak[0]}")
     assert client_threads <= 1000 // 100, (before, baseline, peak[0], pol.stats())
+
+
+def test_grpo_server_example(vllm_server, capsys):
+    """examples/grpo_server.py, a short run with the local learner: every batch holds ids,
+    masks and logprobs of equal lengths, rewards and group ids."""
+    pytest.importorskip("torch")
+    from helpers import example_module
+
+    with example_module("grpo_server") as example:
+        args = example.Args(
+            base_url=vllm_server.base_url, iterations=2, num_envs=8, group_size=4, learn=True
+        )
+        result = example.main(args)
+    batch = result["last_batch"]
+    assert len(batch) == 2 * 4 and result["trajectories"] == 2 * 2 * 4
+    for ids, mask, logprobs in zip(batch.completion_ids, batch.mask, batch.logprobs):
+        assert len(ids) == len(mask) == len(logprobs) and 0 < sum(mask) < len(mask)
+    assert result["stats"]["version"] == 2 and result["stats"]["groups_delivered"] >= 4
+    out = capsys.readouterr().out
+    assert "final: iterations=2 trajectories=16" in out and "loss=nan" not in out
 
 
 def test_server_killed_and_restarted_mid_run(vllm_server, tiny_tokenizer):

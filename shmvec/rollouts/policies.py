@@ -169,7 +169,8 @@ class AsyncPolicyRunner(PolicyRunner):
             asyncio.run_coroutine_threadsafe(self._call(row), self.loop)
 
     def set_version(self, version: int) -> None:
-        self.loop.call_soon_threadsafe(self._new_version, version)
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._new_version, version)
 
     def _new_version(self, version: int) -> None:
         self.loop_version = version
@@ -264,7 +265,7 @@ class BatchedPolicyRunner(PolicyRunner):
             self.calls += 1
             for row, output in zip(rows, outputs):
                 key = (row.trajectory, version)
-                self.answers.append(RowAnswer(key, output, error, started_s=started, ended_s=ended))
+                self.answers.append(RowAnswer(key, output, error, started, ended))
             self.on_answer()
 
     def _call(

@@ -166,7 +166,9 @@ class ServerPolicy(AsyncPolicy):
         """Requests, tokens and failures since construction (callable from any thread)."""
         with self._lock:
             latencies = np.array(self._latencies) if self._latencies else None
+            counts = ("requests", "turns", "tokens", "interrupted", "compared_turns", "drift_turns")
             return {
+                **dict.fromkeys(counts, 0),
                 **self._counts,
                 "faults": dict(self._faults),
                 "failed": dict(self._failed),
