@@ -113,6 +113,7 @@ REFERENCE = {
     "shmvec.rollouts.server": "rollouts.md",
     "shmvec.rollouts.tokens": "rollouts.md",
     "shmvec.text_envs": "text_envs.md",
+    "shmvec.integrations.trl": "trl.md",
 }
 AUTODOC = re.compile(r"^\.\. auto(?:class|function|exception):: ([\w.]+)", re.M)
 
