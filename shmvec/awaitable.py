@@ -55,7 +55,7 @@ from gymnasium.error import ResetNeeded
 from gymnasium.vector.vector_env import AutoresetMode
 
 from shmvec.awaitable_dispatch import FAILURES, Dispatcher, Result
-from shmvec.errors import EnvFailure, LeaseError
+from shmvec.errors import LeaseError
 from shmvec.rollouts.records import Status, Task, Trajectory
 from shmvec.rollouts.replay import ReplayReport, replay
 
@@ -263,9 +263,7 @@ class AwaitableEnvs:
         self._error = error
         for handle in self._handles:
             if handle is not None and handle.pending is not None and not handle.pending.done():
-                handle.pending.set_exception(
-                    RuntimeError(f"the env dispatcher stopped: {error!r}")
-                )
+                handle.pending.set_exception(RuntimeError(f"the env dispatcher stopped: {error!r}"))
 
     # --------------------------------------------------------------- lifetime
 
@@ -446,8 +444,12 @@ class AwaitableEnv:
         finally:
             if self.pending is future:
                 self.pending = None
-        if result.failure is not None and not (call == "reset" and result.failure[0] == "worker_died"):
-            # (A reset after its worker's restart ran as asked, on the new env.)
+        # A reset after its worker's restart ran as asked, on the new env: no failure.
+        lost = result.failure is not None and not (
+            call == "reset" and result.failure[0] == "worker_died"
+        )
+        if lost:
+            assert result.failure is not None
             what, detail = result.failure
             self.needs_reset = True
             if self.trajectory is not None:
@@ -483,4 +485,3 @@ def check_async_envs(envs: Any) -> None:
             "AwaitableEnvs returns each step's own observation: use autoreset_mode NEXT_STEP "
             "or DISABLED, not SAME_STEP"
         )
-

@@ -295,7 +295,10 @@ def test_tags_lease_only_envs_of_their_kind_and_replay_with_their_env_fn():
         async with AwaitableEnvs(envs) as pool:
             with pytest.raises(ValueError, match="no env has tag 'nope'.*'walk', 'walk_b'"):
                 pool.env(tag="nope")
-            runs = [episode(pool, s, random.Random(s), tag=("walk_b" if s % 2 else "walk")) for s in range(30)]  # noqa: E501
+            runs = [
+                episode(pool, s, random.Random(s), tag=("walk_b" if s % 2 else "walk"))
+                for s in range(30)
+            ]  # noqa: E501
             return await asyncio.gather(*runs)
 
     try:
