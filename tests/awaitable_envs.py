@@ -94,3 +94,18 @@ class GuessTextEnv(FaultsByOptions, gym.Env):
             return f"Yes, {self.target}!", 1.0, True, False, {}
         hint = "higher" if guess and int(guess) < self.target else "lower"
         return f"No. Try {hint}.", 0.0, False, self.t >= self.max_turns, {}
+
+
+def guess_envs():
+    """16 ``GuessTextEnv`` in 2 workers (envs 0-7 and 8-15), set up for leasing: the
+    env factory the verl adapter's tests name."""
+    import shmvec
+
+    return shmvec.ShmVectorEnv(
+        [GuessTextEnv] * 16,
+        num_workers=2,
+        batch_size=2,
+        env_concurrency=8,
+        on_env_error="reset",
+        on_worker_death="restart",
+    )
