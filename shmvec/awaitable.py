@@ -194,16 +194,8 @@ class AwaitableEnvs:
                 return
         self._free[tag].append(env)
 
-    def _hold(self, handle: AwaitableEnv, holding: bool) -> None:
-        """Counts the envs whose coroutine holds a result and may send soon: while
-        any does, the dispatcher receives in short slices to send sooner."""
-        if handle.holding != holding and self._dispatcher is not None:
-            handle.holding = holding
-            self._dispatcher.holding += 1 if holding else -1
-
     def _release(self, handle: AwaitableEnv) -> None:
         handle.released = True
-        self._hold(handle, False)
         if handle.pending is not None and not handle.pending.done():
             handle.pending.cancel()
         if handle.in_flight:
@@ -237,12 +229,13 @@ class AwaitableEnvs:
         assert self._dispatcher is not None
         future = self._loop_or_raise().create_future()
         handle.pending, handle.in_flight = future, True
-        self._hold(handle, False)
         self._dispatcher.submit(handle.env_id, command)
         return future
 
     def _deliver(self, results: list[tuple[int, Result]]) -> None:
         """The dispatcher's rows, on the event loop: each to its env's future."""
+        assert self._dispatcher is not None
+        self._dispatcher.handled += 1
         for env, result in results:
             handle = self._handles[env]
             if env in self._draining:
@@ -252,7 +245,6 @@ class AwaitableEnvs:
             if handle is None:
                 continue
             handle.in_flight = False
-            self._hold(handle, True)
             if handle.pending is not None and not handle.pending.done():
                 handle.pending.set_result(result)
             else:  # its coroutine was cancelled while waiting: the episode is unknown
@@ -309,7 +301,6 @@ class _Lease:
         env = await self.pool._acquire(self.tag)
         handle = AwaitableEnv(self.pool, env, self.record)
         self.pool._handles[env] = self.handle = handle
-        self.pool._hold(handle, True)  # its reset comes next
         _HELD.set(_HELD.get() | {handle.serial})
         return handle
 
@@ -341,7 +332,6 @@ class AwaitableEnv:
         self.serial = next(_serials)
         self.pending: asyncio.Future | None = None
         self.in_flight = False
-        self.holding = False  # has a result, no command in flight (AwaitableEnvs._hold)
         self.released = False
         self.needs_reset = True
         self.trajectory: Trajectory | None = None

@@ -36,6 +36,7 @@ MODULES = {
     "shmvec.sb3": "stable_baselines3",
     "shmvec.ray": "ray",
     "shmvec.rollouts": None,
+    "shmvec.awaitable": None,
     "shmvec.text_envs": None,
 }
 
@@ -111,6 +112,7 @@ REFERENCE = {
     "shmvec.ray": "ray.md",
     "shmvec.rollouts": "rollouts.md",
     "shmvec.text_envs": "text_envs.md",
+    "shmvec.integrations.verl": "integrations.md",
 }
 AUTODOC = re.compile(r"^\.\. auto(?:class|function|exception):: ([\w.]+)", re.M)
 

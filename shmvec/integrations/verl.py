@@ -17,8 +17,8 @@ whose observations ``str()`` well); its rewards summed are the trajectory's
 raises an ``EnvFailure`` from that ``run()`` only (``max_retries`` runs the
 trajectory again first); the env serves the next trajectory.
 
-Register it (``@register`` at import, under ``"shmvec_env"``; or a subclass under a
-name of your own) and name the env factory in verl's agent loop config::
+Importing this module registers it under ``"shmvec_env"`` (verl's ``register``; a
+subclass goes under a name of your own) and name the env factory in verl's agent loop config::
 
     - name: guess_game
       _target_: shmvec.integrations.verl.ShmvecAgentLoop
@@ -94,7 +94,6 @@ def close_env_pools() -> None:
         pool.close()
 
 
-@register("shmvec_env")
 class ShmvecAgentLoop(AgentLoopBase):
     """verl's agent loop over an env leased from shmvec's awaitable envs.
 
@@ -238,6 +237,10 @@ class ShmvecAgentLoop(AgentLoopBase):
                 "request_id": request_id,
             },
         )
+
+
+# verl's registry names the class by its module path; the class itself stays as it is.
+register("shmvec_env")(ShmvecAgentLoop)
 
 
 def _extend_logprobs(
