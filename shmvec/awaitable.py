@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from contextlib import AbstractAsyncContextManager
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -144,7 +145,9 @@ class AwaitableEnvs:
 
     # ------------------------------------------------------------------ leases
 
-    def env(self, tag: str | None = None, *, record: bool | None = None) -> _Lease:
+    def env(
+        self, tag: str | None = None, *, record: bool | None = None
+    ) -> AbstractAsyncContextManager[AwaitableEnv]:
         """``async with pool.env(tag=...) as env``: a free env (of ``tag``: one of
         ``make_mix``'s names; None: any), waiting until one is free. The env is
         released when the block ends, however it ends. ``record``: whether the env
