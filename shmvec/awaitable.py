@@ -46,10 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from contextlib import AbstractAsyncContextManager
 import itertools
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from gymnasium.error import ResetNeeded
@@ -163,7 +163,7 @@ class AwaitableEnvs:
 
     async def _acquire(self, tag: str | None) -> int:
         self._bind()
-        env = self._take_free(tag) if not self._waiters else None
+        env = self._take_free(tag)
         if env is not None:
             return env
         waiter = self._loop_or_raise().create_future()
@@ -178,11 +178,13 @@ class AwaitableEnvs:
             raise
 
     def _take_free(self, tag: str | None) -> int | None:
-        if tag is not None:
-            free = self._free.get(tag)
-            return free.popleft() if free else None
-        for free in self._free.values():
-            if free:
+        """A free env of ``tag`` (None: any) that no earlier waiter could take."""
+        wanted = {w for w, _ in self._waiters}
+        if None in wanted:
+            return None  # it takes any env first (and none is free while it waits)
+        for kind in [tag] if tag is not None else list(self._free):
+            free = self._free.get(kind)
+            if free and kind not in wanted:
                 return free.popleft()
         return None
 

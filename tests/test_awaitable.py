@@ -185,9 +185,9 @@ def test_a_killed_worker_raises_only_in_the_coroutines_of_its_envs():
     async def one(k):
         rng = random.Random(seed0 + k)
         async with pool.env() as env:
-            # The first coroutine that holds env 0 kills its worker at its second step.
+            # The first coroutine that holds env 0 kills its worker at its first step.
             die = env.env_id == 0 and not any(e == 0 for e, _ in outcomes)
-            options = {"die_at": 2, "wait_s": 0.01} if die else {"wait_s": 0.01}
+            options = {"die_at": 1, "wait_s": 0.01} if die else {"wait_s": 0.01}
             outcomes.append((env.env_id, "started"))
             obs, _ = await env.reset(seed=seed0 + k, options=options)
             try:
@@ -309,6 +309,37 @@ def test_tags_lease_only_envs_of_their_kind_and_replay_with_their_env_fn():
         assert envs.env_tags[env_id] == ("walk_b" if s % 2 else "walk")
         shmvec.rollouts.replay(traj, walk_b if s % 2 else walk)
         check_alone(s, None, seen, actions)
+
+
+def test_a_waiter_for_one_tag_does_not_hold_up_leases_of_another():
+    def walk():
+        return WalkEnv()
+
+    def walk_b():
+        return WalkEnv()
+
+    envs = shmvec.make_mix(
+        {walk: 2, walk_b: 2}, num_workers=1, batch_size=1,
+        on_env_error="reset", on_worker_death="restart",
+    )  # fmt: skip
+
+    async def main():
+        async with AwaitableEnvs(envs) as pool:
+            async with pool.env(tag="walk"), pool.env(tag="walk"):
+                waiter = asyncio.create_task(pool.env(tag="walk").__aenter__())
+                await asyncio.sleep(0.05)
+                assert not waiter.done()  # both "walk" envs are leased
+                async with pool.env(tag="walk_b") as env:  # a free "walk_b": at once
+                    await env.reset(seed=1)
+                async with pool.env() as env:  # any: only "walk_b" envs are free
+                    assert env.tag == "walk_b"
+            env = await waiter  # a "walk" env came back to it
+            assert env.tag == "walk"
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        envs.close()
 
 
 def test_text_envs_step_and_replay():
