@@ -49,8 +49,7 @@ napoleon_numpy_docstring = False
 # references to them stay plain text instead of failing the nitpicky build.
 nitpick_ignore_regex = [
     (r"py:.*", r"(gym|gymnasium|np|numpy|torch|ray|stable_baselines3|multiprocessing)(\..*)?"),
-    (r"py:.*", r"(verl|asyncio|contextvars)(\..*)?"),
-    (r"py:.*", r"(AgentLoopBase|AgentLoopOutput|ReplayReport|Trajectory|Task|Result)"),
+    (r"py:.*", r"(verl|asyncio|contextvars|contextlib)(\..*)?"),
     (r"py:.*", r"(collections\.abc|typing|types)\..*"),
     (r"py:.*", r"(ArrayType|Seeds|Options|VecEnvIndices|VecEnvObs|VecEnvStepReturn|Env)"),
     (r"py:.*", r"(AutoresetMode|EnvSpec|Space|VectorEnv|VecEnv|ResultHandoff|SpanPacker)"),
