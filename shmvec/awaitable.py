@@ -74,10 +74,9 @@ class AwaitableEnvs:
     """Leases envs of an async vector env to coroutines, one at a time each.
 
     Args:
-        envs: a ``ShmVectorEnv`` (or ``make_mix``'s, or ``RayVectorEnv``) in async mode
+        envs: a ``ShmVectorEnv`` (or ``make_mix``'s) in async mode
             (``batch_size < num_envs``), with ``on_env_error="reset"`` and
-            ``on_worker_death="restart"`` (``on_actor_death``), so that failures come
-            back as results; autoreset mode ``NEXT_STEP`` or ``DISABLED``. The pool
+            ``on_worker_death="restart"``, so that failures come back as results; autoreset mode ``NEXT_STEP`` or ``DISABLED``. The pool
             owns its async API while it runs; ``close()`` leaves it open (unless
             ``from_env_fns`` made it).
         record: whether leased envs record their episodes (``env.trajectory``) by
@@ -468,11 +467,10 @@ def check_async_envs(envs: Any) -> None:
             "AwaitableEnvs raises an env's error in its own coroutine only: make the vector "
             "env with on_env_error='reset'"
         )
-    death = getattr(envs, "on_worker_death", getattr(envs, "on_actor_death", "restart"))
-    if death != "restart":
+    if getattr(envs, "on_worker_death", "restart") != "restart":
         raise ValueError(
             "AwaitableEnvs raises a dead worker in its envs' coroutines only: make the vector "
-            "env with on_worker_death='restart' (RayVectorEnv: on_actor_death='restart')"
+            "env with on_worker_death='restart'"
         )
     mode = getattr(envs, "autoreset_mode", AutoresetMode.NEXT_STEP)
     if AutoresetMode(mode) is AutoresetMode.SAME_STEP:
