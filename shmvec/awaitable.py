@@ -76,9 +76,9 @@ class AwaitableEnvs:
     Args:
         envs: a ``ShmVectorEnv`` (or ``make_mix``'s) in async mode
             (``batch_size < num_envs``), with ``on_env_error="reset"`` and
-            ``on_worker_death="restart"``, so that failures come back as results; autoreset mode ``NEXT_STEP`` or ``DISABLED``. The pool
-            owns its async API while it runs; ``close()`` leaves it open (unless
-            ``from_env_fns`` made it).
+            ``on_worker_death="restart"``, so that failures come back as results;
+            autoreset mode ``NEXT_STEP`` or ``DISABLED``. The pool owns its async API
+            while it runs; ``close()`` leaves it open (unless ``from_env_fns`` made it).
         record: whether leased envs record their episodes (``env.trajectory``) by
             default; ``pool.env(record=...)`` decides per lease.
 
