@@ -200,3 +200,35 @@ def test_bad_configuration_and_rows_get_clear_errors():
             asyncio.run(main("awaitable_envs:nothing_here", {}))
     finally:
         shmvec_verl.close_env_pools()
+
+
+def test_without_logprobs_and_with_max_turns():
+    tokenizer = chatml_tokenizer()
+
+    class NoLogprobs(FakeServer):
+        async def generate(self, request_id, *, prompt_ids, sampling_params, **kwargs):
+            output = await super().generate(
+                request_id, prompt_ids=prompt_ids, sampling_params=sampling_params
+            )
+            return TokenOutput(token_ids=output.token_ids, log_probs=None)
+
+    server = NoLogprobs(tokenizer, 3)
+    rows = [{"raw_prompt": SYSTEM, "extra_info": {"seed": s}} for s in range(8)]
+
+    async def main():
+        loop = make_loop(server, tokenizer, envs="awaitable_envs:guess_envs", max_turns=2)
+        return await asyncio.gather(*(loop.run({"temperature": 1.0}, **row) for row in rows))
+
+    try:
+        outputs = asyncio.run(main())
+    finally:
+        shmvec_verl.close_env_pools()
+    for output in outputs:
+        calls = server.calls[output.extra_fields["request_id"]]
+        assert output.response_logprobs is None
+        assert len(output.response_mask) == len(output.response_ids)
+        assert sum(output.response_mask) == sum(len(ids) for _, ids, _ in calls)
+        assert len(calls) <= 2
+        ended = output.extra_fields["env_ended"]
+        assert ended in ("terminated", "max_turns"), ended
+        assert (ended == "max_turns") == (len(calls) == 2 and output.reward_score == 0.0)
