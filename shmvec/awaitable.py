@@ -78,15 +78,16 @@ class AwaitableEnvs:
             (``batch_size < num_envs``), with ``on_env_error="reset"`` and
             ``on_worker_death="restart"``, so that failures come back as results;
             autoreset mode ``NEXT_STEP`` or ``DISABLED``. The pool owns its async API
-            while it runs; ``close()`` leaves it open (unless ``from_env_fns`` made it).
+            while it runs.
         record: whether leased envs record their episodes (``env.trajectory``) by
             default; ``pool.env(record=...)`` decides per lease.
+        close_envs: whether ``close()`` closes the vector env too.
 
     Use it from one event loop: ``async with AwaitableEnvs(envs) as pool`` (or call
     ``close()``), then ``async with pool.env(tag=...) as env`` in each coroutine.
     """
 
-    def __init__(self, envs: Any, *, record: bool = True) -> None:
+    def __init__(self, envs: Any, *, record: bool = True, close_envs: bool = False) -> None:
         check_async_envs(envs)
         self.envs = envs
         self.num_envs = envs.num_envs
@@ -107,7 +108,7 @@ class AwaitableEnvs:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._closed = False
-        self._owns_envs = False
+        self.close_envs = close_envs
 
     @classmethod
     def from_env_fns(
@@ -135,12 +136,10 @@ class AwaitableEnvs:
             **vector_kwargs,
         )
         try:
-            pool = cls(envs, record=record)
+            return cls(envs, record=record, close_envs=True)
         except BaseException:
             envs.close(terminate=True)
             raise
-        pool._owns_envs = True
-        return pool
 
     # ------------------------------------------------------------------ leases
 
@@ -264,9 +263,9 @@ class AwaitableEnvs:
     # --------------------------------------------------------------- lifetime
 
     def close(self) -> None:
-        """Stops the dispatcher (within a few tens of milliseconds); closes the
-        vector env too if ``from_env_fns`` made it. Coroutines still awaiting an env
-        get a ``RuntimeError``."""
+        """Stops the dispatcher (within a few tens of milliseconds); closes the vector
+        env too with ``close_envs`` (as ``from_env_fns`` sets it). Coroutines still
+        awaiting an env get a ``RuntimeError``."""
         if self._closed:
             return
         self._closed = True
@@ -276,7 +275,7 @@ class AwaitableEnvs:
             if not waiter.done():
                 waiter.set_exception(RuntimeError("the AwaitableEnvs was closed"))
         self._waiters.clear()
-        if self._owns_envs and not self.envs.closed:
+        if self.close_envs and not self.envs.closed:
             self.envs.close(terminate=True)
 
     async def __aenter__(self) -> AwaitableEnvs:

@@ -77,11 +77,7 @@ def env_pool(envs: str | Callable[[], Any]) -> AwaitableEnvs:
     pool = _POOLS.get(envs)
     if pool is None or pool._closed:
         made = _resolve(envs)()
-        if isinstance(made, AwaitableEnvs):
-            pool = made
-        else:
-            pool = AwaitableEnvs(made)
-            pool._owns_envs = True
+        pool = made if isinstance(made, AwaitableEnvs) else AwaitableEnvs(made, close_envs=True)
         _POOLS[envs] = pool
     return pool
 
