@@ -228,9 +228,11 @@ class AwaitableEnvs:
         return self._loop
 
     def _command(self, handle: AwaitableEnv, command: tuple) -> asyncio.Future:
-        self._bind()
-        assert self._dispatcher is not None
-        future = self._loop_or_raise().create_future()
+        # The lease bound the pool to this loop (_bind); only what changed since matters.
+        if self._closed or self._error is not None:
+            self._bind()  # raises the reason
+        assert self._dispatcher is not None and self._loop is not None
+        future = self._loop.create_future()
         handle.pending, handle.in_flight = future, True
         self._dispatcher.submit(handle.env_id, command)
         return future
