@@ -233,18 +233,20 @@ def test_a_killed_worker_raises_only_in_the_coroutines_of_its_envs():
 
 
 def test_cancelling_a_coroutine_releases_its_env():
-    envs = make_envs(n=2, batch_size=1, num_workers=1)
+    envs = make_envs(n=2, batch_size=1, num_workers=1, env_concurrency=2)
 
     async def main():
         async with AwaitableEnvs(envs) as pool:
+            leased, release = asyncio.Event(), asyncio.Event()
             first = second = None
 
             async def stuck():
                 nonlocal first
                 async with pool.env() as env:
                     first = env.env_id
-                    await env.reset(seed=0, options={"wait_s": 0.3})
-                    await env.step(0)  # 0.3 s: cancelled while it runs
+                    await env.reset(seed=0, options={"wait_s": 2.0})
+                    leased.set()
+                    await env.step(0)  # 2 s: cancelled while it runs
 
             async def waiting():
                 async with pool.env():
@@ -254,18 +256,21 @@ def test_cancelling_a_coroutine_releases_its_env():
                 nonlocal second
                 async with pool.env() as env:
                     second = env.env_id
-                    await asyncio.sleep(0.2)
+                    await release.wait()
 
             tasks = [asyncio.create_task(stuck()), asyncio.create_task(holder())]
-            await asyncio.sleep(0.1)
+            await leased.wait()
             waiter = asyncio.create_task(waiting())  # both envs leased: it waits
-            await asyncio.sleep(0.05)
+            for _ in range(3):
+                await asyncio.sleep(0)  # the waiter queues; stuck() awaits its step
+            assert not waiter.done()
             waiter.cancel()
             tasks[0].cancel()
             with pytest.raises(asyncio.CancelledError):
                 await tasks[0]
             with pytest.raises(asyncio.CancelledError):
                 await waiter
+            release.set()
             await tasks[1]
             # Both envs come back: the cancelled step's env once its result arrived.
             async with pool.env() as a, pool.env() as b:
@@ -274,7 +279,7 @@ def test_cancelling_a_coroutine_releases_its_env():
                 assert same(obs, alone(5, None, [])[0])
 
     try:
-        asyncio.run(asyncio.wait_for(main(), 30))
+        asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         envs.close()
 
