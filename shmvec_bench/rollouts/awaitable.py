@@ -51,7 +51,8 @@ class AwaitableMeasurement:
     seconds: float = 0.0
     trajectories_per_s: float = float("nan")
     steps_per_s: float = float("nan")
-    #: OS threads of the main process while the coroutines ran.
+    #: Python threads of this way while the coroutines ran: those it started, and the
+    #: thread that called it.
     threads: int = 0
     runs: int = 1
     outcome: str = "ok"
@@ -64,6 +65,7 @@ class Counter:
         self.start, self.end = start, end
         self.trajectories = self.steps = 0
         self.stop = False
+        self.threads_before = threading.active_count()
 
     def step(self) -> None:
         now = time.perf_counter()
@@ -111,7 +113,7 @@ async def _awaitable(workload: str, coroutines: int, counter: Counter, context: 
             _start_window(counter)
             tasks = [asyncio.ensure_future(run(k)) for k in range(coroutines)]
             await asyncio.sleep(counter.end - time.perf_counter() - 0.5)
-            threads = threading.active_count()
+            threads = threading.active_count() - counter.threads_before + 1
             await asyncio.gather(*tasks)
     finally:
         envs.close(terminate=True)
@@ -146,7 +148,7 @@ async def _threads(workload: str, coroutines: int, counter: Counter) -> int:
         _start_window(counter)
         tasks = [asyncio.ensure_future(run(k)) for k in range(coroutines)]
         await asyncio.sleep(counter.end - time.perf_counter() - 0.5)
-        threads = threading.active_count()
+        threads = threading.active_count() - counter.threads_before + 1
         await asyncio.gather(*tasks)
     finally:
         RELEASE_HANGS.set()
@@ -172,7 +174,7 @@ def _rollouts(workload: str, coroutines: int, counter: Counter, context: str) ->
             while time.perf_counter() < counter.start:
                 rollouts.get_batch(16)
             before = rollouts.stats()
-            threads = threading.active_count()
+            threads = threading.active_count() - counter.threads_before + 1
             while time.perf_counter() < counter.end:
                 rollouts.get_batch(16)
             after = rollouts.stats()
