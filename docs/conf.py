@@ -2,7 +2,7 @@
 
 Build (warnings are errors): ``sphinx-build -W -n --keep-going -b html docs docs/_build/html``.
 shmvec is imported from this checkout, so build it first (``pip install -e ".[docs]"``).
-torch, Ray and Stable-Baselines3 are mocked when they are not installed.
+torch, Ray, Stable-Baselines3 and verl are mocked when they are not installed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 3
 
 autodoc_mock_imports = [
-    name for name in ("torch", "ray", "stable_baselines3") if importlib.util.find_spec(name) is None
+    name
+    for name in ("torch", "ray", "stable_baselines3", "verl")
+    if importlib.util.find_spec(name) is None
 ]
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
@@ -47,6 +49,7 @@ napoleon_numpy_docstring = False
 # references to them stay plain text instead of failing the nitpicky build.
 nitpick_ignore_regex = [
     (r"py:.*", r"(gym|gymnasium|np|numpy|torch|ray|stable_baselines3|multiprocessing)(\..*)?"),
+    (r"py:.*", r"(verl|asyncio|contextvars|contextlib)(\..*)?"),
     (r"py:.*", r"(collections\.abc|typing|types|pathlib)\..*"),
     (r"py:.*", r"(ArrayType|Seeds|Options|VecEnvIndices|VecEnvObs|VecEnvStepReturn|Env)"),
     (r"py:.*", r"(AutoresetMode|EnvSpec|Space|VectorEnv|VecEnv|ResultHandoff|SpanPacker)"),

@@ -2,17 +2,35 @@
 
 ``ShmVectorEnv`` is a drop-in replacement for ``gymnasium.vector.AsyncVectorEnv``;
 ``make_vec`` is ``gymnasium.make_vec`` building one; ``UnboundedText`` is the
-space of text of any length (LLM-agent envs).
+space of text of any length (LLM-agent envs); ``AwaitableEnvs`` leases envs to
+coroutines (``await env.step(action)``).
 """
 
 import logging
 
-from shmvec.errors import StepDeadlineExceeded, WaitingEnvsWarning, WorkerDiedError
+from shmvec.awaitable import AwaitableEnv, AwaitableEnvs
+from shmvec.errors import (
+    EnvDeadlineError,
+    EnvFailure,
+    EnvStepError,
+    EnvWorkerDiedError,
+    LeaseError,
+    StepDeadlineExceeded,
+    WaitingEnvsWarning,
+    WorkerDiedError,
+)
 from shmvec.registration import make_mix, make_vec
 from shmvec.text import UnboundedText
 from shmvec.vector_env import ShmVectorEnv
 
 __all__ = [
+    "AwaitableEnv",
+    "AwaitableEnvs",
+    "EnvDeadlineError",
+    "EnvFailure",
+    "EnvStepError",
+    "EnvWorkerDiedError",
+    "LeaseError",
     "ShmVectorEnv",
     "StepDeadlineExceeded",
     "UnboundedText",

@@ -70,3 +70,55 @@ class WaitingEnvsWarning(UserWarning):
     """A vector env's workers spend most of each step waiting while they step
     their envs one after another: ``env_concurrency=`` would step the envs of a
     block at once (docs/guides/waiting-envs.md)."""
+
+
+class EnvFailure(RuntimeError):
+    """A leased env's ``reset`` or ``step`` failed (``shmvec.awaitable``): raised in
+    the coroutine that awaited it, and in no other. The env was reset by its worker
+    and is usable again after ``await env.reset(...)``.
+
+    Attributes:
+        env_id: the env's index in the vector env.
+        tag: its tag (``make_mix``'s ``env_tags``), or None.
+        what: ``"env_error"``, ``"deadline"`` or ``"worker_died"``.
+        detail: what the vector env reported (the env's exception, the deadline).
+    """
+
+    what = "failure"
+
+    def __init__(self, env_id: int, tag: str | None, call: str, detail: str) -> None:
+        named = f"env {env_id}" + (f" (tag {tag!r})" if tag is not None else "")
+        super().__init__(f"{named}: {call} {self.happened}: {detail}")
+        self.env_id, self.tag, self.call, self.detail = env_id, tag, call, detail
+
+    happened = "failed"
+
+    def __reduce__(self):
+        return (type(self), (self.env_id, self.tag, self.call, self.detail), self.__dict__)
+
+
+class EnvStepError(EnvFailure):
+    """The env raised inside ``reset``/``step`` (the vector env's ``on_env_error="reset"``)."""
+
+    what = "env_error"
+    happened = "raised"
+
+
+class EnvDeadlineError(EnvFailure):
+    """The env's call ran past the vector env's ``step_deadline``; the env was replaced."""
+
+    what = "deadline"
+    happened = "ran past step_deadline"
+
+
+class EnvWorkerDiedError(EnvFailure):
+    """The env's worker process died during the call and was restarted
+    (``on_worker_death="restart"``); the env was re-created."""
+
+    what = "worker_died"
+    happened = "lost its worker"
+
+
+class LeaseError(RuntimeError):
+    """A leased env used wrongly: after its ``async with`` block ended, from a
+    coroutine that does not hold it, or with a call already in flight."""

@@ -36,6 +36,7 @@ MODULES = {
     "shmvec.sb3": "stable_baselines3",
     "shmvec.ray": "ray",
     "shmvec.rollouts": None,
+    "shmvec.awaitable": None,
     "shmvec.text_envs": None,
 }
 
@@ -114,6 +115,7 @@ REFERENCE = {
     "shmvec.rollouts.tokens": "rollouts.md",
     "shmvec.text_envs": "text_envs.md",
     "shmvec.integrations.trl": "trl.md",
+    "shmvec.integrations.verl": "integrations.md",
 }
 AUTODOC = re.compile(r"^\.\. auto(?:class|function|exception):: ([\w.]+)", re.M)
 

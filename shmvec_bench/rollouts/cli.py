@@ -35,6 +35,7 @@ examples:
   shmvec-bench rollouts --workloads tool --num-envs 256 --repeats 3
   shmvec-bench rollouts --workloads cpu200us --num-envs 256 --backends shmvec roll-threads
   shmvec-bench rollouts --workloads tool tool-straggler --policy latency gru
+  shmvec-bench rollouts --awaitable --workloads tool cpu200us --coroutines 1000
 
 columns: "vs best / lock-step" divides shmvec's groups/s by the best baseline's of
 the same workload and policy, and by the best lock-step baseline's; "policy idle"
@@ -117,7 +118,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the rollout benchmark; returns 0 (a crash or hang is a reported result)."""
+    """Runs the rollout benchmark; returns 0 (a crash or hang is a reported result).
+    ``--awaitable ...`` runs the awaitable envs' benchmark (``shmvec_bench.rollouts.awaitable``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--awaitable"]:
+        from shmvec_bench.rollouts.awaitable import main as awaitable_main
+
+        return awaitable_main(argv[1:])
     args = parse_args(argv)
     cores = available_cpus()
     backends = [b for b in args.backends if REGISTRY[b].is_importable()]
