@@ -206,7 +206,9 @@ def test_rss_fds_and_dev_shm_flat_over_1e5_steps():
             assert fds1 == fds0, f"{who}: {fds0} -> {fds1} open fds"
             assert rss1 - rss0 <= RSS_SLACK_KB, f"{who}: RSS {rss0} -> {rss1} kB"
         assert envs.stats()["steps"] == num_envs * (warmup + steps)
-        assert dev_shm_files() == shm_before  # the segment is a memfd, never a file
+        # The segment is a memfd, never a file: nothing appears in /dev/shm (files of
+        # other processes on the machine, an inference server of other tests, may go).
+        assert not dev_shm_files() - shm_before
     finally:
         envs.close()
-    assert dev_shm_files() == shm_before
+    assert not dev_shm_files() - shm_before
