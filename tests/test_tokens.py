@@ -1,6 +1,8 @@
 """Token records (shmvec.rollouts.tokens) and the tiny chat model (shmvec.testing.tiny_llm):
-prompts grow by ids only, the template's delta matches what the template renders, and a
-trainer's samples hold every id with its mask, logprob and version."""
+prompts grow by ids only, the template's delta matches what the template renders (with what it
+writes between turns, such as ChatML's newline after ``<|im_end|>``, after a stop at the
+end-of-turn token and after a length stop), and a trainer's samples hold every id with its
+mask, logprob and version."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ from shmvec.rollouts.tokens import (
     batch_samples,
     next_prompt_ids,
     trajectory_sample,
+    turn_prompt,
 )
 
 pytest.importorskip("transformers", reason="the tiny chat model needs transformers")
 pytest.importorskip("tokenizers", reason="the tiny chat model needs tokenizers")
 pytest.importorskip("torch", reason="the tiny chat model needs torch")
+
+from chat_tokenizer import chatml_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +86,63 @@ def test_delta_is_what_the_template_renders_after_a_reply(tokenizer, stopped):
     assert grown == chat.rerender([turn], new)
 
 
+def test_appended_ids_decode_to_the_rendered_chat():
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+    tokenizer = chatml_tokenizer()
+    chat = ChatTokens(tokenizer)
+    assert chat.closing == "<|im_end|>\n"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = chat.first_prompt(messages)
+    for _ in range(6):
+        said = f"I say {rng.randint(1, 9)}"
+        generated = tokenizer.encode(said, add_special_tokens=False)
+        if rng.random() < 0.7:
+            generated.append(tokenizer.eos_token_id)  # a stop at the end of the turn
+        answer = {"role": "user", "content": f"No. Try {rng.choice(['higher', 'lower'])}."}
+        ids += generated + chat.delta([answer], generated)
+        messages += [{"role": "assistant", "content": chat.reply_text(generated)}, answer]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == rendered, seed
+
+
+def test_the_newline_after_the_end_of_turn_token_is_appended():
+    tokenizer = chatml_tokenizer()
+    chat = ChatTokens(tokenizer)
+    stopped = tokenizer.encode("I say 5", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert chat.closing_left(stopped) == "\n"
+    assert chat.closing_left(stopped[:-1]) == "<|im_end|>\n"  # a length stop
+    appended = tokenizer.decode(chat.delta([{"role": "user", "content": "No."}], stopped))
+    assert appended == "\n<|im_start|>user\nNo.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_template_kwargs_reach_every_rendering():
+    tokenizer = chatml_tokenizer()
+    # ChatML with the role's separator a template variable (a newline unless given).
+    tokenizer.chat_template = (
+        "{% set sep = sep if sep is defined else '\\n' %}"
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + sep + m['content'] }}"
+        "{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant' + sep }}{% endif %}"
+    )
+    chat = ChatTokens(tokenizer, chat_template_kwargs={"sep": ": "})
+    opening = [{"role": "user", "content": "Hi"}]
+    prompt = chat.first_prompt(opening)
+    assert tokenizer.decode(prompt) == "<|im_start|>user: Hi<|im_end|>\n<|im_start|>assistant: "
+    assert tokenizer.decode(ChatTokens(tokenizer).first_prompt(opening)) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    completion = chat.encode("I say 5") + [tokenizer.eos_token_id]
+    new = [{"role": "user", "content": "No."}]
+    delta = chat.delta(new, completion)
+    assert tokenizer.decode(delta) == "\n<|im_start|>user: No.<|im_end|>\n<|im_start|>assistant: "
+    chat_so_far = [*opening, {"role": "assistant", "content": "I say 5"}, *new]
+    rendered = tokenizer.apply_chat_template(
+        chat_so_far, tokenize=False, add_generation_prompt=True, sep=": "
+    )
+    assert tokenizer.decode(prompt + completion + delta) == rendered
+
+
 def test_drift_happens_with_random_byte_tokens(tokenizer):
     """Random ids (what a random byte-level model writes) often re-tokenize otherwise: the
     id path keeps them, the text path would not."""
@@ -121,15 +183,24 @@ def test_chat_tokens_refuses_bad_templates_and_messages(tokenizer):
         chat.delta([{"content": "x"}], [1])
 
 
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    tokenizer = chatml_tokenizer()
+    # Shows only the last assistant turn: earlier ones vanish when one is added.
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="renders earlier turns differently"):
+        ChatTokens(tokenizer)
+
+
 def _trajectory(chat: ChatTokens, group_id: int, index: int, turns: int) -> Trajectory:
     traj = Trajectory(Task(seed=group_id), group_id, index, 0)
     messages = [{"role": "user", "content": f"task {group_id}"}]
-    prompt, start, previous = chat.first_prompt(messages), 0, None
     for t in range(turns):
-        if previous is not None:
+        if t:
             messages = [{"role": "user", "content": f"obs {t}"}]
-            start = len(previous.context_ids)
-            prompt = next_prompt_ids(previous, chat.delta(messages, previous.completion_ids))
+        prompt, start = turn_prompt(chat, traj.extras, messages)
         completion = chat.encode(f"act{t}")
         logprobs = [-0.5 - t - k for k in range(len(completion))]
         turn = TurnTokens(prompt, completion, logprobs, [t] * len(completion), start, messages)
@@ -137,7 +208,6 @@ def _trajectory(chat: ChatTokens, group_id: int, index: int, turns: int) -> Traj
         traj.extras.append(turn)
         traj.rewards.append(float(t))
         traj.versions.append(t)
-        previous = turn
     return traj
 
 
@@ -185,3 +255,21 @@ def test_sample_refuses_broken_records(tokenizer):
     traj.extras[0] = {"token_ids": [1]}
     with pytest.raises(ValueError, match="kept dict, not TurnTokens"):
         trajectory_sample(traj)
+
+
+def test_turn_prompt_grows_by_the_delta(tokenizer):
+    chat = ChatTokens(tokenizer)
+    opening = [{"role": "user", "content": "go"}]
+    assert turn_prompt(chat, [], opening) == (chat.first_prompt(opening), 0)
+    traj = _trajectory(chat, 3, 0, turns=2)
+    first, second = traj.extras
+    new = [{"role": "user", "content": "obs 1"}]
+    assert second.env_start == len(first.context_ids)
+    assert second.prompt_ids == next_prompt_ids(first, chat.delta(new, first.completion_ids))
+    assert second.env_ids == chat.delta(new, first.completion_ids)
+
+
+def test_a_turn_after_another_policys_turn_is_refused(tokenizer):
+    chat = ChatTokens(tokenizer)
+    with pytest.raises(ValueError, match="last extra is str, not TurnTokens"):
+        turn_prompt(chat, ["right"], [{"role": "user", "content": "again"}])

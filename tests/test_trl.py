@@ -13,7 +13,7 @@ import pytest
 
 import shmvec
 from shmvec.rollouts import AsyncPolicy, PolicyError, RowOutput, Status, Task, replay
-from shmvec.rollouts.tokens import ChatTokens, TurnTokens
+from shmvec.rollouts.tokens import ChatTokens, TurnTokens, turn_prompt
 from shmvec.text_envs import FrozenLakeText
 
 pytest.importorskip("torch", reason='needs torch (pip install torch, then "shmvec[trl]")')
@@ -28,7 +28,6 @@ from shmvec.integrations.trl import (  # noqa: E402
     ModelPolicy,
     RolloutFunc,
     env_reward,
-    turn_prompt,
     user_message,
     whole_groups,
 )
@@ -433,9 +432,3 @@ def test_model_policy_samples_only_inside_a_call():
         ModelPolicy(max_new_tokens=0)
     with pytest.raises(TypeError, match="messages must be a function"):
         ModelPolicy("You play FrozenLake")
-
-
-def test_a_turn_after_another_policys_turn_is_refused(tokenizer):
-    chat = ChatTokens(tokenizer)
-    with pytest.raises(ValueError, match="last extra is str, not TurnTokens"):
-        turn_prompt(chat, ["right"], [{"role": "user", "content": "again"}])

@@ -42,9 +42,9 @@ from shmvec.rollouts import (
     Rollouts,
     Task,
 )
-from shmvec.rollouts.tokens import ChatTokens, TurnTokens, batch_samples, next_prompt_ids
+from shmvec.rollouts.tokens import ChatTokens, TurnTokens, batch_samples, turn_prompt
 
-__all__ = ["ModelPolicy", "RolloutFunc", "env_reward", "turn_prompt", "user_message"]
+__all__ = ["ModelPolicy", "RolloutFunc", "env_reward", "user_message"]
 
 #: The row key that carries each trajectory's total env reward to TRL's reward functions.
 ENV_REWARD = "env_reward"
@@ -275,32 +275,6 @@ def whole_groups(prompts: Sequence[Any], group_size: int) -> list[Any]:
 def user_message(row: PolicyRow) -> list[dict[str, Any]]:
     """The messages a turn adds by default: the observation as a user message."""
     return [{"role": "user", "content": row.observation}]
-
-
-def turn_prompt(
-    chat: ChatTokens, turns: Sequence[Any], messages: list[dict[str, Any]]
-) -> tuple[list[int], int]:
-    """The next turn's ``(prompt_ids, env_start)`` after ``turns`` (a trajectory's
-    :class:`~shmvec.rollouts.tokens.TurnTokens` so far) when ``messages`` come.
-
-    The first turn renders ``messages`` with the generation prompt; every later turn is the
-    previous turn's prompt and completion ids followed by the chat template's delta for
-    ``messages`` (:meth:`ChatTokens.delta <shmvec.rollouts.tokens.ChatTokens.delta>`), whose
-    ids begin at ``env_start``.
-
-    Raises:
-        ValueError: the previous turn kept something else than ``TurnTokens``.
-    """
-    if not turns:
-        return chat.first_prompt(messages), 0
-    previous = turns[-1]
-    if not isinstance(previous, TurnTokens):
-        raise ValueError(
-            f"the trajectory's last extra is {type(previous).__name__}, not TurnTokens: one "
-            "token policy must choose every action of its trajectories"
-        )
-    delta = chat.delta(messages, previous.completion_ids)
-    return next_prompt_ids(previous, delta), len(previous.context_ids)
 
 
 @dataclass

@@ -7,9 +7,10 @@ them. ``ShmvecAgentLoop.run`` leases an env of the process's ``AwaitableEnvs``
 and alternates ``server_manager.generate(prompt_ids=...)`` with ``await
 env.step(action)``, token ids in and out: the model's ids are kept as generated
 (mask 1, their log-probabilities), and each observation is appended as the ids of
-the chat template's text for it (``ChatTokens``: the rest of the assistant turn's
-closing, such as the newline after ChatML's ``<|im_end|>``, then the message and
-the generation prompt; mask 0, log-probability 0.0). Nothing is rendered twice.
+the chat template's text for it (:meth:`ChatTokens.delta
+<shmvec.rollouts.tokens.ChatTokens.delta>`: the rest of the assistant turn's closing,
+such as the newline after ChatML's ``<|im_end|>``, then the message and the
+generation prompt; mask 0, log-probability 0.0). Nothing is rendered twice.
 
 The env is a text env (``shmvec.UnboundedText`` observations and actions, or any
 whose observations ``str()`` well); its rewards summed are the trajectory's
@@ -48,8 +49,8 @@ from verl.experimental.agent_loop.agent_loop import (
 
 from shmvec.awaitable import AwaitableEnv, AwaitableEnvs
 from shmvec.errors import EnvFailure
-from shmvec.integrations.chat_tokens import ChatTokens
 from shmvec.rollouts.records import Task
+from shmvec.rollouts.tokens import ChatTokens
 
 __all__ = ["ShmvecAgentLoop", "close_env_pools", "env_pool"]
 
@@ -176,7 +177,7 @@ class ShmvecAgentLoop(AgentLoopBase):
         obs, _ = await env.reset(seed=task.seed, options=task.options)
         timings["tool_calls"] += time.perf_counter() - started
         messages = [*list(row.get("raw_prompt") or []), self.observation_message(obs)]
-        prompt_ids = self._cap_text_prompt_length(self.chat.initial(messages))
+        prompt_ids = self._cap_text_prompt_length(self.chat.first_prompt(messages))
         response_ids: list[int] = []
         mask: list[int] = []
         logprobs: list[float] | None = []
@@ -197,7 +198,7 @@ class ShmvecAgentLoop(AgentLoopBase):
             turns += 1
             if len(response_ids) >= self.response_length:
                 break
-            action = self.action_of(self.chat.decode(generated))
+            action = self.action_of(self.chat.reply_text(generated))
             started = time.perf_counter()
             obs, step_reward, terminated, truncated, _ = await env.step(action)
             timings["tool_calls"] += time.perf_counter() - started
@@ -208,7 +209,7 @@ class ShmvecAgentLoop(AgentLoopBase):
             if self.max_turns is not None and turns >= self.max_turns:
                 ended = "max_turns"
                 break
-            appended = self.chat.after_turn(generated, self.observation_message(obs))
+            appended = self.chat.delta([self.observation_message(obs)], generated)
             response_ids += appended
             mask += [0] * len(appended)
             if logprobs is not None:

@@ -45,7 +45,7 @@ from shmvec.rollouts.server_client import (
     make_client,
     parse_choice,
 )
-from shmvec.rollouts.tokens import ChatTokens, TurnTokens, next_prompt_ids
+from shmvec.rollouts.tokens import ChatTokens, TurnTokens, turn_prompt
 
 #: Replies whose text is compared with the ids decoded by the policy's tokenizer, to find a
 #: tokenizer that is not the server's (ids decode to other text).
@@ -200,17 +200,7 @@ class ServerPolicy(AsyncPolicy):
                 f"messages(row) returned {messages!r} for env {row.env_id}: it must return the "
                 "non-empty list of chat messages the observation adds"
             )
-        if not turns:
-            prompt, env_start = self.chat.first_prompt(messages), 0
-        else:
-            previous = turns[-1]
-            if not isinstance(previous, TurnTokens):
-                raise ValueError(
-                    f"the trajectory's last extra is {type(previous).__name__}, not TurnTokens: "
-                    "a ServerPolicy must choose every action of its trajectories"
-                )
-            prompt = next_prompt_ids(previous, self.chat.delta(messages, previous.completion_ids))
-            env_start = len(previous.prompt_ids) + len(previous.completion_ids)
+        prompt, env_start = turn_prompt(self.chat, turns, messages)
         drift = None
         if self.count_drift and turns:
             drift = self.chat.rerender(turns, messages) != prompt
@@ -416,7 +406,7 @@ class ServerPolicy(AsyncPolicy):
         where the server has vLLM's ``/tokenize``."""
         import openai
 
-        probe = self.chat.close_text + "shmvec probe: héllo, 42 + 7 = 49!"
+        probe = self.chat.closing + "shmvec probe: héllo, 42 + 7 = 49!"
         root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
         try:
             answer = await client.post(

@@ -5,7 +5,10 @@ A multi-turn chat sampled from a server is trained on the tokens the model produ
 a turn's tokens and rendering the chat again does not give them back (byte-level BPE merges
 across the boundary, templates that drop or add whitespace), so each turn's prompt here is the
 previous turn's prompt and completion ids followed by the ids of what the chat template adds
-for the new observation (its *delta*), and each turn records:
+for the new observation (its *delta*, :class:`ChatTokens`: the part of the assistant turn's
+closing the completion lacks, such as the newline after ChatML's ``<|im_end|>``, then the new
+messages and the generation prompt; :func:`turn_prompt` builds each turn's prompt so), and
+each turn records:
 
 - ``prompt_ids``: the ids the completion was sampled from, as sent;
 - ``completion_ids``, ``logprobs``: as the server returned them, one log-probability per id;
@@ -24,8 +27,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Stands for an assistant reply while the template's boundaries are measured.
-_SENTINEL = "\x00shmvec-reply\x00"
+#: Stand for message contents in the probe chat: text no template alters.
+_PROBE_USER = "shmvec-probe-question-7f3a"
+_PROBE_REPLY = "shmvec-probe-reply-7f3a"
 
 
 @dataclass
@@ -84,47 +88,74 @@ def next_prompt_ids(previous: TurnTokens, delta_ids: Sequence[int]) -> list[int]
 
 
 class ChatTokens:
-    """A tokenizer's chat template turned into ids turn by turn.
+    """A tokenizer's chat template turned into ids turn by turn, by appending only.
 
-    ``first_prompt(messages)`` renders the opening messages with the generation prompt;
-    ``delta(messages, completion_ids)`` gives the ids that follow a completion when
-    ``messages`` are added: the end of the assistant turn (less the stop token when the model
-    generated it), the new messages and the generation prompt, exactly as the template would
-    render them after that reply. ``rerender`` renders a whole chat as text and tokenizes it,
-    for counting drift.
+    The template is rendered once on a probe chat to learn what it writes after an assistant
+    reply's content (:attr:`closing`; ChatML: ``<|im_end|>\\n``). From then on:
+
+    - ``first_prompt(messages)`` renders the opening messages with the generation prompt;
+    - ``delta(messages, completion_ids)`` gives the ids that follow a completion when
+      ``messages`` are added: the part of the closing the completion lacks
+      (:meth:`closing_left`; ChatML: the ``\\n`` after the ``<|im_end|>`` that stopped
+      generation, all of it after a length stop), then the new messages and the generation
+      prompt, exactly as the template renders them after that reply;
+    - ``rerender(turns, messages)`` renders a whole chat as text and tokenizes it, for
+      counting drift.
+
+    Works with any template that renders a chat as the concatenation of its messages
+    (ChatML, Llama 3, Mistral's and most others).
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template (``apply_chat_template``,
             ``encode``, ``decode``).
+        chat_template_kwargs: passed to every ``apply_chat_template`` call (such as
+            ``{"enable_thinking": False}``).
 
     Raises:
         ValueError: the tokenizer has no chat template, or its template is not append-only
             (rendering a chat with more messages changes the text of the earlier ones).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer {type(tokenizer).__name__} has no chat template")
         self.tokenizer = tokenizer
-        self._head = [{"role": "user", "content": "hi"}]
-        closed = self._render([*self._head, {"role": "assistant", "content": _SENTINEL}], False)
-        at = closed.find(_SENTINEL)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self._probe = [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": _PROBE_REPLY},
+        ]
+        self._base = self._render(self._probe, False)
+        at = self._base.rfind(_PROBE_REPLY)
         if at < 0:
             raise ValueError("the chat template does not render an assistant reply's content")
-        self._closed = closed
         #: What the template writes after an assistant reply's content.
-        self.close_text = closed[at + len(_SENTINEL) :]
+        self.closing: str = self._base[at + len(_PROBE_REPLY) :]
+        #: The tokenizer's end-of-sequence ids (where a generation stops).
         self.stop_ids = frozenset(_stop_ids(tokenizer))
+        # The leading parts of the closing that a generation may hold at its end: those that
+        # end at a special token (ChatML: ``<|im_end|>``), longest first, as ids.
+        specials = [str(t) for t in getattr(tokenizer, "all_special_tokens", []) if t]
+        self._generated_closings = [
+            (k, self.encode(self.closing[:k]))
+            for k in range(len(self.closing), 0, -1)
+            if any(self.closing[:k].endswith(s) for s in specials)
+        ]
+        self._messages_text([{"role": "user", "content": _PROBE_USER}])  # append-only?
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            messages,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+            **self.chat_template_kwargs,
         )
         if not isinstance(text, str):
             raise ValueError("the tokenizer's apply_chat_template(tokenize=False) gave no text")
         return text
 
     def encode(self, text: str) -> list[int]:
+        """The ids of ``text``, without the tokenizer's added special tokens."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def first_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -132,28 +163,34 @@ class ChatTokens:
         _check_messages(messages)
         return self.encode(self._render(messages, True))
 
+    def closing_left(self, completion_ids: Sequence[int]) -> str:
+        """The part of :attr:`closing` that ``completion_ids`` lack at their end."""
+        tail = list(completion_ids)
+        for length, ids in self._generated_closings:
+            if ids and tail[-len(ids) :] == ids:
+                return self.closing[length:]
+        return self.closing
+
     def delta(self, messages: list[dict[str, Any]], completion_ids: Sequence[int]) -> list[int]:
         """The ids that follow ``completion_ids`` when ``messages`` are added to the chat."""
         _check_messages(messages)
-        grown = self._render(
-            [*self._head, {"role": "assistant", "content": _SENTINEL}, *messages], True
-        )
-        if not grown.startswith(self._closed):
+        return self.encode(self.closing_left(completion_ids) + self._messages_text(messages))
+
+    def _messages_text(self, messages: list[dict[str, Any]]) -> str:
+        """What the template writes for ``messages`` after an assistant reply's closing,
+        with the generation prompt."""
+        grown = self._render([*self._probe, *messages], True)
+        if not grown.startswith(self._base):
             raise ValueError(
-                "the chat template is not append-only (adding messages changes the text before "
-                "them): a turn's prompt cannot be the previous prompt and completion plus a delta"
+                "the chat template is not append-only (it renders earlier turns differently "
+                "once a message is added): a turn's prompt cannot be the previous prompt and "
+                "completion plus a delta"
             )
-        ids = self.encode(self.close_text + grown[len(self._closed) :])
-        if (
-            completion_ids
-            and completion_ids[-1] in self.stop_ids
-            and ids[:1] == [completion_ids[-1]]
-        ):
-            ids = ids[1:]  # the model wrote the end of its turn itself
-        return ids
+        return grown[len(self._base) :]
 
     def reply_text(self, completion_ids: Sequence[int]) -> str:
-        """A completion as the text an assistant message would hold."""
+        """A completion as the text an assistant message would hold (special tokens
+        removed)."""
         return str(self.tokenizer.decode(list(completion_ids), skip_special_tokens=True))
 
     def rerender(self, turns: Sequence[TurnTokens], messages: list[dict[str, Any]]) -> list[int]:
@@ -164,6 +201,31 @@ class ChatTokens:
             chat += turn.messages
             chat.append({"role": "assistant", "content": self.reply_text(turn.completion_ids)})
         return self.encode(self._render([*chat, *messages], True))
+
+
+def turn_prompt(
+    chat: ChatTokens, turns: Sequence[Any], messages: list[dict[str, Any]]
+) -> tuple[list[int], int]:
+    """The next turn's ``(prompt_ids, env_start)`` after ``turns`` (a trajectory's
+    :class:`TurnTokens` so far) when ``messages`` come.
+
+    The first turn renders ``messages`` with the generation prompt; every later turn is the
+    previous turn's prompt and completion ids followed by the chat template's delta for
+    ``messages`` (:meth:`ChatTokens.delta`), whose ids begin at ``env_start``.
+
+    Raises:
+        ValueError: the previous turn kept something else than ``TurnTokens``.
+    """
+    if not turns:
+        return chat.first_prompt(messages), 0
+    previous = turns[-1]
+    if not isinstance(previous, TurnTokens):
+        raise ValueError(
+            f"the trajectory's last extra is {type(previous).__name__}, not TurnTokens: one "
+            "token policy must choose every action of its trajectories"
+        )
+    delta = chat.delta(messages, previous.completion_ids)
+    return next_prompt_ids(previous, delta), len(previous.context_ids)
 
 
 def _stop_ids(tokenizer: Any) -> list[int]:
@@ -292,4 +354,5 @@ __all__ = [
     "batch_samples",
     "next_prompt_ids",
     "trajectory_sample",
+    "turn_prompt",
 ]
