@@ -82,7 +82,9 @@ def test_env_errors_are_retried_counted_and_retries_replay():
     fn = functools.partial(TaskEnv, fault_rate=0.15)
     envs = make_envs(env_fn=fn)
     try:
-        with Rollouts(envs, obs_policy, group_size=2, max_retries=20) as rollouts:
+        # An 8-step attempt fails with probability 1 - 0.85**8 = 0.73: with 20 retries one of
+        # the 60 trajectories ran out of them in about 1% of runs; with 60, about 1e-8.
+        with Rollouts(envs, obs_policy, group_size=2, max_retries=60) as rollouts:
             rollouts.submit(seeds=list(range(30)))
             groups = [g for _ in range(5) for g in rollouts.get_batch(6)]
             stats = rollouts.stats()
