@@ -324,13 +324,13 @@ class WorkerPool:
         """Joins the workers for ``grace_s``, then SIGTERM, then SIGKILL."""
         for stop in (None, "terminate", "kill"):
             deadline = time.monotonic() + (grace_s if stop is None else 1.0)
-            for process in self.workers:
-                if process.exitcode is None and stop is not None:
+            for index, process in enumerate(self.workers):
+                if stop is not None and not self.exited(index):
                     # SIGKILL last: a worker whose env initialised SDL ignores SIGTERM.
                     getattr(process, stop)()
             for process in self.workers:
                 process.join(max(deadline - time.monotonic(), 0.0))
-            if all(p.exitcode is not None for p in self.workers):
+            if all(self.exited(index) for index in range(len(self.workers))):
                 return
 
     def release(self) -> None:
