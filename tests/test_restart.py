@@ -789,8 +789,10 @@ def test_async_reset_reaches_the_replacement_of_a_worker_reaped_elsewhere(killed
             # A reset that finished before its worker died is delivered as it
             # is; one that did not is redone by the replacement with its seed.
             assert np.array_equal(obs, expected) or restarted, (e, obs, expected)
-        assert envs.stats()["worker_restarts"] == len(killed)
+        # Resets of every env, those of the killed workers' blocks too: their
+        # replacements deliver them (the results above may all predate the kills).
         assert_resets_take_their_seeds(envs)
+        assert envs.stats()["worker_restarts"] == len(killed)
         for index in killed:
             assert envs._pool.workers[index].exitcode is None  # the replacement lives
     finally:
