@@ -275,7 +275,9 @@ class WorkerPool:
             return True
         if process is self.main_worker:
             return False
-        return bool(select.select([process.sentinel], [], [], 0)[0])
+        poller = select.poll()  # not select.select: the sentinel's fd may pass 1023
+        poller.register(process.sentinel, select.POLLIN)
+        return bool(poller.poll(0))
 
     def check_alive(self, index: int) -> None:
         """WorkerDiedError if worker ``index`` has exited."""
