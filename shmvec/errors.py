@@ -11,7 +11,8 @@ class WorkerDiedError(RuntimeError):
     Attributes:
         worker: the worker's index.
         env_ids: the envs it owned.
-        exitcode: its exit status; negative for a signal, as in multiprocessing.
+        exitcode: its exit status; negative for a signal, as in multiprocessing;
+            None if another waiter of the program (``os.waitpid``) reaped it.
     """
 
     def __init__(self, worker: int, env_ids: range, exitcode: int | None, pid: int | None) -> None:
@@ -22,6 +23,8 @@ class WorkerDiedError(RuntimeError):
                 how = f"killed by signal {signal.Signals(-exitcode).name}"
             except ValueError:
                 how = f"killed by signal {-exitcode}"
+        elif exitcode is None:  # another waiter of the program reaped it first
+            how = "exited (its exit status went to another waiter)"
         else:
             how = f"exited with code {exitcode}"
         super().__init__(

@@ -7,11 +7,13 @@ test sets, not an event it waits for.
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import pytest
 from gymnasium import spaces
 from helpers import open_pool
 
+import shmvec.engine.pool
 import shmvec.engine.supervisor
 from shmvec.engine.pool import WorkerPool
 from shmvec.engine.stats import Stats
@@ -20,14 +22,21 @@ from shmvec.errors import WorkerDiedError
 
 
 class ProcessStandIn:
-    """A worker process that the test kills (``exitcode``)."""
+    """A worker process that the test kills (``exitcode``); its ``sentinel``
+    turns readable once it is killed, as a process's does when it exits."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.exitcode: int | None = None
+        self.sentinel, self._alive = os.pipe()
 
     def kill(self) -> None:
         self.exitcode = -9
+        self.exit_unseen()
+
+    def exit_unseen(self) -> None:
+        """Exits with its status taken by another waiter: ``exitcode`` stays None."""
+        os.close(self._alive)
 
     def join(self, timeout: float | None = None) -> None:
         pass
@@ -81,6 +90,22 @@ def test_a_death_during_a_wait_names_the_worker_and_its_envs():
     with pytest.raises(WorkerDiedError, match=r"worker 1 \(pid 1001, envs 2\.\.3\) killed by") as e:
         supervisor.wait_for(lambda budget_ns: False, None, lambda: "unused")
     assert (e.value.worker, e.value.env_ids, e.value.exitcode) == (1, range(2, 4), -9)
+
+
+def test_a_death_whose_status_another_waiter_took_is_a_death(monkeypatch):
+    """A worker reaped elsewhere (its ``exitcode`` stays None, its sentinel is
+    readable) is dead to every check: the dead workers include it, and a
+    wait raises its death."""
+    monkeypatch.setattr(shmvec.engine.pool, "REAPED_ELSEWHERE_S", 0.0)
+    pool = _pool()
+    supervisor = _supervisor(pool, WireStandIn([]))
+    supervisor.wait_for(lambda budget_ns: True, None, lambda: "unused")  # all alive
+    assert pool.dead_workers() == set()
+    pool.workers[2].exit_unseen()
+    assert pool.dead_workers() == {2} and pool.workers[2].exitcode is None
+    with pytest.raises(WorkerDiedError, match=r"worker 2 \(pid 1002, envs 4\.\.5\) exited") as e:
+        supervisor.wait_for(lambda budget_ns: False, None, lambda: "unused")
+    assert (e.value.worker, e.value.exitcode) == (2, None)
 
 
 def test_a_wait_ends_when_ready_and_times_out_with_why():

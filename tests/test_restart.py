@@ -730,3 +730,70 @@ def test_policy_arguments_are_checked():
         ShmVectorEnv(fns, on_env_error="ignore")
     with pytest.raises(ValueError, match="env_timeout must be a positive"):
         ShmVectorEnv(fns, env_timeout=0)
+
+
+# -------------------------------------------- deaths that another waiter reaps
+
+
+def kill_and_reap(envs: ShmVectorEnv, indices) -> None:
+    """SIGKILLs workers ``indices`` and reaps them with ``os.waitpid``, as a
+    user's thread that joins them might first: multiprocessing then never
+    learns their exit status, and only their pipes and sentinels tell."""
+    processes = [envs._pool.workers[i] for i in indices]
+    for process in processes:
+        os.kill(process.pid, signal.SIGKILL)
+    for process in processes:
+        os.waitpid(process.pid, 0)
+
+
+def recv_all(envs: ShmVectorEnv, count: int) -> dict[int, tuple]:
+    """recv(partial=True) until ``count`` results came: env -> (obs, infos row)."""
+    got: dict[int, tuple] = {}
+    while len(got) < count:
+        obs, _, _, _, infos = envs.recv(timeout=30, partial=True)
+        for row, e in enumerate(infos["env_id"].tolist()):
+            assert e not in got, f"env {e} delivered twice"
+            got[e] = (obs[row], bool(infos.get("worker_restarted", np.zeros(8))[row]))
+    return got
+
+
+@pytest.mark.parametrize("killed", [[1], [0, 1]], ids=["one", "two"])
+@pytest.mark.parametrize("when", ["before", "in-flight"])
+def test_async_reset_reaches_the_replacement_of_a_worker_reaped_elsewhere(killed, when):
+    """Workers killed and reaped by another waiter (their exit status never
+    reaches multiprocessing), before an async_reset of some of their envs or
+    while it is in flight: no exception reaches the caller, each env reset
+    delivers exactly one result, and the replacements start the envs from the
+    seeds given (the reset arguments reach them)."""
+    envs = ShmVectorEnv(
+        [TaskEnv] * 8, num_workers=2, batch_size=2, on_worker_death="restart",
+        env_concurrency=2,
+    )  # fmt: skip
+    alone = TaskEnv()
+    try:
+        envs.async_reset(seed=list(range(8)))
+        recv_all(envs, 8)  # every env idle
+        ids = [1, 2, 5, 6]
+        seeds = [100 + e for e in range(8)]  # by env: only those of ``ids`` are taken
+        if when == "before":
+            kill_and_reap(envs, killed)
+            envs.async_reset(seed=seeds, env_ids=ids)
+        else:
+            envs.async_reset(seed=seeds, env_ids=ids)
+            kill_and_reap(envs, killed)
+        got = recv_all(envs, len(ids))
+        assert sorted(got) == ids
+        for e in ids:
+            expected, _ = alone.reset(seed=seeds[e])
+            obs, restarted = got[e]
+            # A reset that finished before its worker died is delivered as it
+            # is; one that did not is redone by the replacement with its seed.
+            assert np.array_equal(obs, expected) or restarted, (e, obs, expected)
+        # Resets of every env, those of the killed workers' blocks too: their
+        # replacements deliver them (the results above may all predate the kills).
+        assert_resets_take_their_seeds(envs)
+        assert envs.stats()["worker_restarts"] == len(killed)
+        for index in killed:
+            assert envs._pool.workers[index].exitcode is None  # the replacement lives
+    finally:
+        envs.close()

@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import time
 from collections import deque
 from typing import Any
@@ -35,6 +36,10 @@ from shmvec.start_method import worker_context
 from shmvec.worker import SegmentFd, WorkerSpec, worker_main
 
 logger = logging.getLogger("shmvec")
+
+#: How long ``check_alive`` waits for the exit status of a worker that another
+#: waiter reaped (another thread's ``Process.join`` records it a moment later).
+REAPED_ELSEWHERE_S = 1.0
 
 
 class SetupError(Exception):
@@ -192,7 +197,7 @@ class WorkerPool:
             self._outbox(index).send_bytes(message)
         except (BrokenPipeError, ConnectionResetError):
             self.workers[index].join(1.0)
-            if self.restart_on_death and self.workers[index].exitcode is not None:
+            if self.restart_on_death and self.exited(index):
                 return  # the round's wait restarts it (and resends a reset)
             self.check_alive(index)  # raises WorkerDiedError
             raise
@@ -246,7 +251,7 @@ class WorkerPool:
                 raise multiprocessing.TimeoutError(f"no message from shmvec worker {index}")
         try:
             return pickle.loads(pipe.recv_bytes())
-        except EOFError:
+        except (EOFError, OSError):  # OSError: it died with a message of main's unread
             self.workers[index].join(1.0)
             self.check_alive(index)
             raise
@@ -260,16 +265,35 @@ class WorkerPool:
 
     # -------------------------------------------------------------- liveness
 
-    def check_alive(self, index: int) -> None:
-        """WorkerDiedError if worker ``index`` has exited."""
+    def exited(self, index: int) -> bool:
+        """Whether worker ``index``'s process has exited: its exit status is
+        known, or it is gone but another waiter reaped it (a ``join`` in
+        another thread of the user's, ``os.waitpid``), so that the status reads
+        None here for a while or for good."""
         process = self.workers[index]
         if process.exitcode is not None:
-            error = WorkerDiedError(index, self.blocks[index], process.exitcode, process.pid)
-            why = self.killed_stuck.pop(index, None)
-            if why is not None:
-                add_note(error, why)
-            logger.error("%s", error)
-            raise error
+            return True
+        if process is self.main_worker:
+            return False
+        poller = select.poll()  # not select.select: the sentinel's fd may pass 1023
+        poller.register(process.sentinel, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def check_alive(self, index: int) -> None:
+        """WorkerDiedError if worker ``index`` has exited."""
+        if not self.exited(index):
+            return
+        process = self.workers[index]
+        # Reaped by another thread's join: it records the status a moment later.
+        deadline = time.monotonic() + REAPED_ELSEWHERE_S
+        while process.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        error = WorkerDiedError(index, self.blocks[index], process.exitcode, process.pid)
+        why = self.killed_stuck.pop(index, None)
+        if why is not None:
+            add_note(error, why)
+        logger.error("%s", error)
+        raise error
 
     def check_all_alive(self) -> None:
         for index in range(self.num_workers):
@@ -277,7 +301,7 @@ class WorkerPool:
 
     def dead_workers(self) -> set[int]:
         """The workers whose process has exited."""
-        return {i for i, process in enumerate(self.workers) if process.exitcode is not None}
+        return {index for index in range(self.num_workers) if self.exited(index)}
 
     def kill(self, index: int, why: str) -> None:
         """Kills worker ``index`` (a timeout); its death is then reported with ``why``."""
@@ -302,13 +326,13 @@ class WorkerPool:
         """Joins the workers for ``grace_s``, then SIGTERM, then SIGKILL."""
         for stop in (None, "terminate", "kill"):
             deadline = time.monotonic() + (grace_s if stop is None else 1.0)
-            for process in self.workers:
-                if process.exitcode is None and stop is not None:
+            for index, process in enumerate(self.workers):
+                if stop is not None and not self.exited(index):
                     # SIGKILL last: a worker whose env initialised SDL ignores SIGTERM.
                     getattr(process, stop)()
             for process in self.workers:
                 process.join(max(deadline - time.monotonic(), 0.0))
-            if all(p.exitcode is not None for p in self.workers):
+            if all(self.exited(index) for index in range(len(self.workers))):
                 return
 
     def release(self) -> None:
