@@ -125,8 +125,11 @@ cdef class InfoColumns:
         self.cells_u = cells
 
     cdef inline void clear(self, Py_ssize_t row):
-        if self.schema:
-            memset(&self.codes[row, 0], 0, INFO_COLUMNS)
+        """Marks every column of ``row`` empty, known to this worker or not: in
+        async mode a ring row was last written by any worker, with its own
+        columns, which the main process would read as this row's once this
+        worker announces a column of the same number."""
+        memset(&self.codes[row, 0], 0, INFO_COLUMNS)
 
     cdef bint write(self, dict info, Py_ssize_t row, list announced) except -1:
         """Stores ``info`` in the columns of ``row``; False if it must be pickled."""

@@ -195,6 +195,45 @@ def test_infos_per_row_with_columns_and_pickles():
     envs.close()
 
 
+class ResetInfo(gym.Wrapper):
+    """CartPole whose reset info is ``{"x": 1}`` or, with ``bare``, empty."""
+
+    def __init__(self, env: gym.Env, bare: bool) -> None:
+        super().__init__(env)
+        self.bare = bare
+
+    def reset(self, **kwargs):
+        obs, _ = self.env.reset(**kwargs)
+        return obs, {} if self.bare else {"x": 1}
+
+
+def test_a_row_carries_no_info_column_of_its_previous_writer():
+    """Every ring row is rewritten by whichever worker claims it: a worker that
+    has not yet seen an info key still clears the row's info columns, so that
+    another worker's numeric info left there is not read as this row's."""
+    fns = [lambda bare=bare: ResetInfo(gym.make("CartPole-v1"), bare)
+           for bare in (False, False, True, False)]  # fmt: skip
+    envs = shmvec.ShmVectorEnv(fns, num_workers=2, batch_size=2)
+    try:
+        # Worker 0 (envs 0, 1) writes column "x" into every row of the ring.
+        envs.async_reset(seed=0, env_ids=[0, 1])
+        *_, infos = envs.recv()
+        for _ in range(2 * envs.ring_depth):
+            envs.async_reset(env_ids=infos["env_id"])
+            *_, infos = envs.recv()
+            assert infos["x"].tolist() == [1, 1]
+        # Worker 1 then writes env 2's row (no info, before it has seen "x") and
+        # env 3's (which gives it "x") into one batch.
+        envs.async_reset(seed=0, env_ids=[2, 3])
+        *_, infos = envs.recv()
+        rows = {e: row for row, e in enumerate(infos["env_id"].tolist())}
+        assert set(rows) == {2, 3}
+        assert infos["_x"][rows[3]] and infos["x"][rows[3]] == 1
+        assert not infos["_x"][rows[2]], "env 2's row reports another env's info"
+    finally:
+        envs.close()
+
+
 def test_disabled_mode_resets_single_envs():
     envs = shmvec.ShmVectorEnv(
         [lambda: gym.make("CartPole-v1")] * 4,
