@@ -797,3 +797,38 @@ def test_async_reset_reaches_the_replacement_of_a_worker_reaped_elsewhere(killed
             assert envs._pool.workers[index].exitcode is None  # the replacement lives
     finally:
         envs.close()
+
+
+def test_a_replacement_is_sent_no_reset_whose_row_stands():
+    """A worker killed after publishing its envs' reset rows, before main read
+    them: those rows stand, so its replacement gets no reset arguments for them;
+    each later reset of those envs starts from the seed it was given (arguments
+    it never took would be taken by the next reset instead)."""
+    slow = functools.partial(TaskEnv, wait_s=2.0, max_len=1000)
+    envs = ShmVectorEnv(
+        [slow, slow, TaskEnv, TaskEnv], num_workers=2, batch_size=3,
+        on_worker_death="restart", env_concurrency=2,
+    )  # fmt: skip
+    alone = TaskEnv()
+    try:
+        envs.async_reset(seed=list(range(4)))
+        recv_all(envs, 4)  # every env idle
+        wire = envs._async.wire
+        envs.send(np.zeros(1, dtype=np.int64), [0])  # the slot's third row, in 2 s
+        envs.async_reset(seed=[100 + e for e in range(4)], env_ids=[2, 3])  # worker 1's
+        while sum(wire.published(s) for s in range(len(envs._pool.slots))) < 2:
+            time.sleep(0.001)
+        kill(envs, 1)
+        # The slot waits for env 0's row: the wait notices the death and restarts.
+        got = recv_all(envs, 3)
+        assert envs.stats()["worker_restarts"] == 1
+        for e in (2, 3):
+            assert np.array_equal(got[e][0], alone.reset(seed=100 + e)[0]), e
+        for trial in range(3):
+            seeds = [1000 * (trial + 1) + e for e in range(4)]
+            envs.async_reset(seed=seeds, env_ids=[2, 3])
+            got = recv_all(envs, 2)
+            for e in (2, 3):
+                assert np.array_equal(got[e][0], alone.reset(seed=seeds[e])[0]), (trial, e)
+    finally:
+        envs.close()

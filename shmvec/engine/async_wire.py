@@ -74,6 +74,8 @@ class AsyncWire:
         # Workers whose replacement was planned and has not said it is ready,
         # with the envs whose rows the plan has it publish.
         self.unready: dict[int, set[int]] = {}
+        # Workers being replaced, with the envs their plan has them deliver.
+        self.planned: dict[int, set[int]] = {}
         self.book = _worker_loop.EnvBook(
             self.awaiting.view(np.uint8), self.env_commands, self.last_command, self.env_worker,
             [segment.address + offset for offset in layout.doorbell_offsets],
@@ -189,17 +191,22 @@ class AsyncWire:
         plans = self.recovery_plans(dead, read)
         for index, plan in plans.items():
             self.unready[index] = {env for env, how in plan.items() if how[0] != "rewrite"}
+            self.planned[index] = set(plan)
         return {index: ("async", plan) for index, plan in plans.items()}
 
     def resend(self, index: int) -> None:
-        """Sends the replacement the resets its running envs wait for: only those
-        whose command is a reset (a stepping env's earlier reset arguments would
-        be taken by its next reset, and every later reset would get the one
-        before it)."""
+        """Sends the replacement the resets it will run: those of its envs whose
+        command is a reset not yet taken, or a reset its plan has it deliver.
+        No others: a reset whose published row stands is done, and arguments
+        the replacement never takes would be taken by that env's next reset
+        (every later reset would then get the one before it)."""
+        planned, commands = self.planned.pop(index, set()), self.env_commands
         running = [
             e
             for e in self.pool.blocks[index]
-            if not self.awaiting[e] and self.last_command[e] == ENV_RESET
+            if not self.awaiting[e]
+            and self.last_command[e] == ENV_RESET
+            and (commands[e] == ENV_RESET or e in planned)
         ]
         resets = {e: self.resets[e] for e in running if e in self.resets}
         if resets:
