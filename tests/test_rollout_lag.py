@@ -187,8 +187,8 @@ def test_rerun_reopens_a_complete_group_that_fell_behind():
 # ------------------------------------------------------------ random schedules
 
 SCHEDULE_OPS = int(os.environ.get("SHMVEC_SCHEDULE_OPS", "30"))
-#: SIGKILL workers too, by hand (SHMVEC_SCHEDULE_KILLS=1): a reset recovered after a kill
-#: can replay with another seed (SHMVEC_SCHEDULE_SEED=59015921, wait-async, one run in 12).
+#: SIGKILL workers too, one or two at once (SHMVEC_SCHEDULE_KILLS=1): by hand, since each kill
+#: costs a restart; test_restart.py kills workers deterministically in every run.
 SCHEDULE_KILLS = os.environ.get("SHMVEC_SCHEDULE_KILLS", "0") == "1"
 
 
