@@ -125,16 +125,9 @@ class AwaitableEnvs:
         of a block (``len(env_fns)``) for envs that wait on tools, ``1`` for envs that
         compute. ``batch_size`` defaults to a sixteenth of the envs (rows reach their
         coroutines sooner than with larger batches)."""
-        from shmvec.vector_env import ShmVectorEnv
+        from shmvec.vector_env import client_vector_env
 
-        envs = ShmVectorEnv(
-            env_fns,
-            batch_size=batch_size or max(1, len(env_fns) // 16),
-            env_concurrency=env_concurrency,
-            on_env_error="reset",
-            on_worker_death="restart",
-            **vector_kwargs,
-        )
+        envs = client_vector_env(env_fns, env_concurrency, batch_size, vector_kwargs)
         try:
             return cls(envs, record=record, close_envs=True)
         except BaseException:

@@ -527,3 +527,23 @@ def _worker_spec(env: ShmVectorEnv) -> WorkerSpec:
             env._obs_codec.columns(), env.batch_size, env.ring_depth if env.is_async else 0
         ),
     )  # fmt: skip
+
+
+def client_vector_env(
+    env_fns: list[Callable[[], Any]],
+    env_concurrency: int,
+    batch_size: int | None,
+    vector_kwargs: dict[str, Any],
+) -> ShmVectorEnv:
+    """The async ``ShmVectorEnv`` that ``Rollouts`` and ``AwaitableEnvs`` build from env fns:
+    failures as results (``on_env_error="reset"``, ``on_worker_death="restart"``) and a
+    batch of a sixteenth of the envs by default (small batches bring rows to their
+    consumer sooner; docs: performance)."""
+    return ShmVectorEnv(
+        env_fns,
+        batch_size=batch_size or max(1, len(env_fns) // 16),
+        env_concurrency=env_concurrency,
+        on_env_error="reset",
+        on_worker_death="restart",
+        **vector_kwargs,
+    )
