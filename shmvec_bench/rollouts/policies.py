@@ -49,7 +49,7 @@ GRU_CONTEXT = 64
 GRU_NEW_BYTES = 16
 GRU_HIDDEN = 128
 
-POLICIES = ("latency", "gru")
+POLICIES = ("latency", "gru", "server")
 
 
 class PolicyClock:
@@ -192,19 +192,26 @@ class Batcher:
             self._cond.notify_all()
 
 
-def make_policy(name: str, actions: Sequence[str], seed: int = 0):
-    """A new policy by name (``latency`` or ``gru``) choosing among ``actions``."""
+def make_policy(name: str, actions: Sequence[str], seed: int = 0, server=None):
+    """A new policy by name (``latency``, ``gru``, or ``server``: a session with the server
+    ``server``, a ``shmvec_bench.rollouts.server.ServerConfig``) choosing among ``actions``."""
     if name == "latency":
         return LatencyPolicy(actions, seed)
     if name == "gru":
         return GRUPolicy(actions, seed)
+    if name == "server":
+        if server is None:
+            raise ValueError("the server policy needs a server (a ServerConfig)")
+        from shmvec_bench.rollouts.server import ServerSession
+
+        return ServerSession(server, actions)
     raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")
 
 
 def policy_available(name: str) -> bool:
-    """Whether ``name`` can run here (``gru`` needs torch)."""
-    if name != "gru":
-        return True
+    """Whether ``name`` can run here (``gru`` needs torch; ``server`` openai and
+    transformers)."""
     import importlib.util
 
-    return importlib.util.find_spec("torch") is not None
+    needs = {"gru": ("torch",), "server": ("openai", "transformers")}.get(name, ())
+    return all(importlib.util.find_spec(module) is not None for module in needs)

@@ -55,7 +55,8 @@ class RunContext:
     group_size: int
     #: Complete groups per ``get_batch``: ``num_envs // group_size``.
     groups_per_batch: int
-    #: The policy: ``policy(list[str]) -> list[str]``, with a ``clock``.
+    #: The policy: ``policy(list[str]) -> list[str]``, with a ``clock``; or a
+    #: ``shmvec_bench.rollouts.server.ServerSession`` (``--policy server``).
     policy: object
     seed: int = 0
     #: shmvec's async batch (rows per policy call); None: its rule (a sixteenth of the envs).
@@ -74,6 +75,8 @@ class RunContext:
     #: row that waits whenever it is free) or ``"rows"`` (an ``AsyncPolicy`` per row over
     #: a ``Batcher``, as an inference server batches requests).
     policy_mode: str = "batched"
+    #: With the server policy: the layer's ``ServerPolicy(interrupt=...)``.
+    interrupt: bool = False
     #: multiprocessing start method for process-based backends.
     context: str = "forkserver"
     stream: TaskStream = field(default=None)  # type: ignore[assignment]

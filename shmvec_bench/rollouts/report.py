@@ -74,6 +74,43 @@ def markdown_table(rows: Sequence[RolloutMeasurement]) -> str:
     return "\n".join(lines)
 
 
+def server_table(rows: Sequence[RolloutMeasurement]) -> str:
+    """The ``--policy server`` rows' own figures: groups/s against each peer runner, the
+    requests, the client's CPU, the server's busy share and batch, interruptions."""
+    served = [m for m in rows if m.policy == "server"]
+    peers = ("skyrl-asyncio", "roll-threads")
+    lines = [
+        "| workload | backend | envs | groups/s | vs " + " / ".join(peers) + " | requests/s "
+        "| request p50 / p99 (s) | client CPU ms / request | server busy | server requests "
+        "running / queued (mean) | server cores | interrupted (tokens kept) "
+        "| tokens by lag (versions:tokens) | outcome |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for m in served:
+        base = {
+            r.backend: r.groups_per_s
+            for r in served
+            if (r.workload, r.num_envs) == (m.workload, m.num_envs) and r.outcome == "ok"
+        }
+        vs = " / ".join(
+            f"{m.groups_per_s / base[p]:.2f}x" if base.get(p) and m.outcome == "ok" else "-"
+            for p in peers
+        )
+        outcome = m.outcome if m.outcome == "ok" else f"**{m.outcome}**"
+        if m.failed_trajectories:
+            outcome += f"; {m.failed_trajectories} failed trajectories returned"
+        lines.append(
+            f"| {m.workload} | {m.label} | {m.num_envs} | {_fmt(m.groups_per_s, ',.2f')} "
+            f"| {vs if m.backend in SHMVEC else ''} | {_fmt(m.requests_per_s, ',.1f')} "
+            f"| {_fmt(m.request_p50_s, '.2f')} / {_fmt(m.request_p99_s, '.2f')} "
+            f"| {_fmt(m.client_cpu_ms_per_request, '.2f')} | {_fmt(m.server_busy_share, '.0%')} "
+            f"| {_fmt(m.server_running_mean, '.1f')} / {_fmt(m.server_queued_mean, '.1f')} "
+            f"| {_fmt(m.server_cores, '.2f')} "
+            f"| {m.interrupted:,} ({m.tokens_interrupted:,}) | {m.token_lags} | {outcome} |"
+        )
+    return "\n".join(lines)
+
+
 def write_csv(rows: Sequence[RolloutMeasurement], path: Path) -> None:
     """One row per measurement (every repeat, and the medians with ``runs > 1``)."""
     write_rows(RolloutMeasurement, rows, path)

@@ -36,6 +36,7 @@ import numpy as np
 from shmvec_bench.rollouts.backends import REGISTRY
 from shmvec_bench.rollouts.policies import make_policy
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TaskStream
+from shmvec_bench.rollouts.server import ServerConfig, ServerSession
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, WORKLOADS, is_straggler
 from shmvec_bench.rss import descendants, tree_cpu_s, tree_pss_mib
 from shmvec_bench.runner import MeasurementTimeout, deadline
@@ -71,6 +72,23 @@ class RolloutMeasurement:
     #: Straggling tasks' share of the tasks launched / of the groups returned, in the window.
     straggler_launched_share: float = float("nan")
     straggler_trained_share: float = float("nan")
+    #: With the server policy: requests per second in the window, their latency over the
+    #: run, this process tree's CPU per request (the server's processes left out); the
+    #: server in the window (``ServerMonitor``): its model executor's busy share, the mean
+    #: requests it ran and queued, the cores its processes used; over the run, requests
+    #: interrupted by a new version and the tokens they had produced (kept); and the
+    #: handed-over completion tokens by lag in versions (``lag:tokens``).
+    requests_per_s: float = float("nan")
+    request_p50_s: float = float("nan")
+    request_p99_s: float = float("nan")
+    client_cpu_ms_per_request: float = float("nan")
+    server_busy_share: float = float("nan")
+    server_running_mean: float = float("nan")
+    server_queued_mean: float = float("nan")
+    server_cores: float = float("nan")
+    interrupted: int = 0
+    tokens_interrupted: int = 0
+    token_lags: str = ""
     #: Trajectories returned that did not end as the game ended them (errors, deaths).
     failed_trajectories: int = 0
     #: ``ok``, ``crash: <exception>`` or ``hang: <no batch within the timeout>``.
@@ -141,6 +159,8 @@ def measure(
     max_lag: int | None = 1,
     policy_mode: str = "batched",
     context: str = "forkserver",
+    server: ServerConfig | None = None,
+    interrupt: bool = False,
 ) -> RolloutMeasurement:
     """Opens ``backend``, times ``get_batch`` for ``seconds``, closes it (see the module)."""
     if num_envs % group_size:
@@ -149,16 +169,19 @@ def measure(
     row = RolloutMeasurement(workload, backend, policy, num_envs, group_size)
     if backend == "shmvec":  # the layer's settings that the benchmark varies
         row.variant = "no lag bound" if max_lag is None else f"max_lag={max_lag}"
-        if policy_mode != "batched":
+        if policy_mode != "batched" and policy != "server":
             row.variant += f", {policy_mode}"
+        if interrupt:
+            row.variant += ", interrupt"
     RELEASE_HANGS.clear()
-    pol = make_policy(policy, spec.actions, seed)
+    pol = make_policy(policy, spec.actions, seed, server=server)
+    session = pol if isinstance(pol, ServerSession) else None
     stream = TaskStream(seed)
     ctx = RunContext(
         workload, num_envs, group_size, num_envs // group_size, pol, seed,
         batch_size=batch_size, num_workers=num_workers, env_concurrency=env_concurrency,
         ring_depth=ring_depth, max_lag=max_lag, policy_mode=policy_mode, context=context,
-        stream=stream,
+        stream=stream, interrupt=interrupt,
     )  # fmt: skip
     runner = killer = None
     processes_before = set(descendants(os.getpid()))
@@ -173,7 +196,10 @@ def measure(
                 killer = Killer(runner.env_pids, spec.kill_every_s, seed)
             if not entry.lockstep:
                 runner.get_batch()
-            busy0, _, _ = pol.clock.snapshot()
+            if session is not None:
+                session.window()
+            else:
+                busy0, _, _ = pol.clock.snapshot()
             steps0, launched0, stragglers0 = runner.env_steps, stream.launched, stream.stragglers
             cpu0 = tree_cpu_s()
             start = time.perf_counter()
@@ -186,16 +212,23 @@ def measure(
                     break
             elapsed = after - start
             cpu1 = tree_cpu_s()
-            busy1, _, _ = pol.clock.snapshot()
+            skip = set(server.server_pids) if server is not None else set()
+            cpu = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1 if p not in skip)
+            if session is not None:
+                _server_figures(row, session.figures(), elapsed, cpu)
+                row.token_lags = " ".join(
+                    f"{lag}:{n}" for lag, n in sorted(getattr(runner, "token_lags", {}).items())
+                )
+            else:
+                busy1, _, _ = pol.clock.snapshot()
+                row.policy_idle_share = max(0.0, 1.0 - (busy1 - busy0) / elapsed)
             row.pss_mib = tree_pss_mib()
             row.steps_per_s = (runner.env_steps - steps0) / elapsed
-            cpu = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1)
             row.cpu_s_per_step = cpu / max(1, runner.env_steps - steps0)
             launched = stream.launched - launched0
             if launched:
                 row.straggler_launched_share = (stream.stragglers - stragglers0) / launched
             row.seconds = elapsed
-            row.policy_idle_share = max(0.0, 1.0 - (busy1 - busy0) / elapsed)
     except MeasurementTimeout as exc:
         failed = True
         row.outcome = f"hang: {exc}"
@@ -221,6 +254,8 @@ def measure(
             RELEASE_HANGS.set()
             with deadline(30.0):
                 runner.close(terminate=failed)
+        if session is not None:
+            session.close()
         if failed:
             # A backend that hung or crashed while opening left its processes behind
             # (nothing holds it to close): they would count in the next runs' PSS and CPU.
@@ -238,6 +273,20 @@ def measure(
     if groups:
         row.straggler_trained_share = sum(is_straggler(g.seed) for g in groups) / len(groups)
     return row
+
+
+def _server_figures(row: RolloutMeasurement, figures: dict, elapsed: float, cpu: float) -> None:
+    """The server policy's figures of the window (``ServerSession.figures()``) into ``row``."""
+    requests = figures["requests"]
+    row.requests_per_s = requests / elapsed
+    row.request_p50_s, row.request_p99_s = figures["latency_p50_s"], figures["latency_p99_s"]
+    row.client_cpu_ms_per_request = 1e3 * cpu / max(1, requests)
+    row.server_busy_share = figures["busy_share"]
+    row.server_running_mean, row.server_queued_mean = figures["running"], figures["queued"]
+    row.server_cores = figures["server_cores"]
+    row.policy_idle_share = max(0.0, 1.0 - figures["busy_share"])
+    row.interrupted = figures["interrupted"]
+    row.tokens_interrupted = figures["tokens_interrupted"]
 
 
 def _kill_new_processes(before: set[int]) -> None:

