@@ -44,6 +44,7 @@ from shmvec.rollouts.server_client import (
     classify,
     make_client,
     parse_choice,
+    post_completions,
 )
 from shmvec.rollouts.tokens import ChatTokens, TurnTokens, turn_prompt
 
@@ -290,16 +291,18 @@ class ServerPolicy(AsyncPolicy):
         with self._lock:
             self._failed[kind] += 1
 
-    def _body(self, max_tokens: int, stream: bool) -> dict[str, Any]:
+    def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
         s = self.sampling
         body: dict[str, Any] = {
             "model": self.model,
+            "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,
             "logprobs": 0,
             "stream": stream,
-            "extra_body": {"return_token_ids": True, **s.extra},
+            "return_token_ids": True,
+            **s.extra,
         }
         if s.seed is not None:
             body["seed"] = s.seed
@@ -307,7 +310,7 @@ class ServerPolicy(AsyncPolicy):
 
     async def _request(self, prompt: list[int], max_tokens: int) -> Piece:
         client = self._http()
-        reply = await client.completions.create(prompt=prompt, **self._body(max_tokens, False))
+        reply = await post_completions(client, self._body(prompt, max_tokens, False))
         piece = parse_choice(reply)
         if not piece.ids:
             raise ServerFault("empty_reply", "a reply with no token", retry=True)
@@ -333,7 +336,7 @@ class ServerPolicy(AsyncPolicy):
 
     async def _stream(self, prompt: list[int], out: _Completion, max_tokens: int, version: int):
         client = self._http()
-        stream = await client.completions.create(prompt=prompt, **self._body(max_tokens, True))
+        stream = await post_completions(client, self._body(prompt, max_tokens, True))
         async with stream:
             try:
                 async for chunk in stream:
