@@ -144,3 +144,11 @@ def test_runners_against_real_vllm(vllm_server, tiny_tokenizer):
         assert m.groups >= 4 and m.failed_trajectories == 0
         assert 0 < m.server_busy_share < 1.5 and m.server_running_mean > 0
         assert 0 < m.server_cores <= os.cpu_count() and m.requests_per_s > 0
+
+
+def test_median_rows_sum_the_token_lags_of_their_runs():
+    from shmvec_bench.rollouts.runner import RolloutMeasurement, median_row
+
+    rows = [RolloutMeasurement("tool", "shmvec", "server", 8, 4) for _ in range(3)]
+    rows[0].token_lags, rows[1].token_lags, rows[2].token_lags = "0:5 1:2", "0:1 2:4", ""
+    assert median_row(rows).token_lags == "0:6 1:2 2:4"

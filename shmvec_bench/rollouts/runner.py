@@ -28,7 +28,8 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -275,6 +276,14 @@ def measure(
     return row
 
 
+def _sum_lags(lags: Iterable[str]) -> str:
+    """``lag:tokens`` pairs summed over runs."""
+    total: Counter[int] = Counter()
+    for text in lags:
+        total.update({int(k): int(v) for k, v in (pair.split(":") for pair in text.split())})
+    return " ".join(f"{lag}:{n}" for lag, n in sorted(total.items()))
+
+
 def _server_figures(row: RolloutMeasurement, figures: dict, elapsed: float, cpu: float) -> None:
     """The server policy's figures of the window (``ServerSession.figures()``) into ``row``."""
     requests = figures["requests"]
@@ -337,5 +346,6 @@ def median_row(rows: Sequence[RolloutMeasurement]) -> RolloutMeasurement:
     merged.outcome = bad[0].outcome if bad else "ok"
     merged.accounting = (bad[0] if bad else first).accounting
     merged.config, merged.variant = first.config, first.variant
+    merged.token_lags = _sum_lags(r.token_lags for r in ok)
     merged.runs = len(rows)
     return merged

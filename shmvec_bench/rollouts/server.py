@@ -20,8 +20,9 @@ How they send them is each runner's own:
   (ROLL's env managers).
 
 Each runner's client pool holds a connection per env (the clients' default of 100 queues
-thousands of requests behind it). ``ServerMonitor`` reads what the server did in the timed
-window from its own counters (see there).
+thousands of requests behind it); the asyncio runner's client is ``ServerPolicy``'s (over
+aiohttp, as SkyRL's remote client), ROLL's threads share one ``openai.OpenAI`` (httpx).
+``ServerMonitor`` reads what the server did in the timed window from its own counters.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from shmvec.rollouts.server import Retry, Sampling, ServerPolicy
-from shmvec.rollouts.server_client import parse_choice, post_completions
+from shmvec.rollouts.server_client import make_client, parse_choice, post_completions
 from shmvec.rollouts.tokens import ChatTokens, TurnTokens, turn_prompt
 from shmvec_bench.rss import cpu_s
 
@@ -296,19 +297,19 @@ class ServerSession:
 
 
 def _client(config: ServerConfig, connections: int, asynchronous: bool) -> Any:
+    """The async client is ``ServerPolicy``'s (over aiohttp where installed); the blocking one
+    ``openai.OpenAI`` over httpx, with the same pool and timeouts."""
     import openai
 
+    connections += 8
+    if asynchronous:
+        return make_client(config.base_url, "EMPTY", connections, Retry())
     limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
-        max_connections=connections + 8, max_keepalive_connections=connections + 8
+        max_connections=connections, max_keepalive_connections=connections
     )
     timeout = openai.Timeout(Retry().timeout_s, connect=Retry().connect_timeout_s)
-    if asynchronous:
-        return openai.AsyncOpenAI(
-            base_url=config.base_url, api_key="EMPTY", timeout=timeout,
-            http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout),
-        )  # fmt: skip
     return openai.OpenAI(
-        base_url=config.base_url, api_key="EMPTY", timeout=timeout,
+        base_url=config.base_url, api_key="EMPTY", max_retries=0, timeout=timeout,
         http_client=openai.DefaultHttpxClient(limits=limits, timeout=timeout),
     )  # fmt: skip
 
