@@ -201,7 +201,10 @@ def _aiohttp_fault(error: BaseException) -> ServerFault | None:
             return None
         if isinstance(cause, aiohttp.ClientConnectorError):
             return ServerFault("connect", f"{error} ({cause!r})", retry=True)
-        if isinstance(cause, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)):
+        if isinstance(
+            cause,
+            (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError),
+        ):
             return ServerFault("dropped", f"the connection broke: {cause!r}", retry=True)
         if isinstance(cause, aiohttp.ServerTimeoutError):
             return ServerFault("timeout", f"{error} ({cause!r})", retry=True)
@@ -226,6 +229,12 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return (http.TransportError, http.StreamError)
 
 
+#: Seconds an idle connection is kept: below the 5 s after which servers on uvicorn (vLLM,
+#: SGLang) close an idle one, so that a request never goes out on a connection the server is
+#: closing (it would fail as dropped and be asked again).
+KEEPALIVE_S = 2.0
+
+
 def make_client(base_url: str, api_key: str, connections: int, retry: Retry) -> Any:
     """An ``openai.AsyncOpenAI`` whose connection pool holds ``connections`` connections (the
     default holds 100 kept alive, which thousands of requests queue behind), with no retry of
@@ -236,7 +245,9 @@ def make_client(base_url: str, api_key: str, connections: int, retry: Retry) -> 
     import openai
 
     limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
-        max_connections=connections, max_keepalive_connections=connections
+        max_connections=connections,
+        max_keepalive_connections=connections,
+        keepalive_expiry=KEEPALIVE_S,
     )
     timeout = openai.Timeout(retry.timeout_s, connect=retry.connect_timeout_s)
     if importlib.util.find_spec("httpx_aiohttp") is not None:

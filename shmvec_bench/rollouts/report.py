@@ -99,6 +99,8 @@ def server_table(rows: Sequence[RolloutMeasurement]) -> str:
         outcome = m.outcome if m.outcome == "ok" else f"**{m.outcome}**"
         if m.failed_trajectories:
             outcome += f"; {m.failed_trajectories} failed trajectories returned"
+        if m.request_faults:
+            outcome += f"; {m.request_faults} failed requests retried"
         lines.append(
             f"| {m.workload} | {m.label} | {m.num_envs} | {_fmt(m.groups_per_s, ',.2f')} "
             f"| {vs if m.backend in SHMVEC else ''} | {_fmt(m.requests_per_s, ',.1f')} "

@@ -89,6 +89,9 @@ class RolloutMeasurement:
     server_cores: float = float("nan")
     interrupted: int = 0
     tokens_interrupted: int = 0
+    #: Requests that failed and were asked again (``ServerPolicy`` retries; the other
+    #: runners stop at the first), over the run.
+    request_faults: int = 0
     token_lags: str = ""
     #: Trajectories returned that did not end as the game ended them (errors, deaths).
     failed_trajectories: int = 0
@@ -296,6 +299,7 @@ def _server_figures(row: RolloutMeasurement, figures: dict, elapsed: float, cpu:
     row.policy_idle_share = max(0.0, 1.0 - figures["busy_share"])
     row.interrupted = figures["interrupted"]
     row.tokens_interrupted = figures["tokens_interrupted"]
+    row.request_faults = figures["faults"]
 
 
 def _kill_new_processes(before: set[int]) -> None:

@@ -20,8 +20,11 @@ How they send them is each runner's own:
   (ROLL's env managers).
 
 Each runner's client pool holds a connection per env (the clients' default of 100 queues
-thousands of requests behind it); the asyncio runner's client is ``ServerPolicy``'s (over
-aiohttp, as SkyRL's remote client), ROLL's threads share one ``openai.OpenAI`` (httpx).
+thousands of requests behind it). ``ServerPolicy``'s client runs over aiohttp and retries as
+its ``Retry`` says; the asyncio runner's ``openai.AsyncOpenAI`` and ROLL's threads' shared
+``openai.OpenAI`` are the clients' defaults (httpx; a failed request asked twice more), and a
+request that still fails ends their run, as an exception in SkyRL's gather or ROLL's env
+thread does.
 ``ServerMonitor`` reads what the server did in the timed window from its own counters.
 """
 
@@ -38,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from shmvec.rollouts.server import Retry, Sampling, ServerPolicy
-from shmvec.rollouts.server_client import make_client, parse_choice, post_completions
+from shmvec.rollouts.server_client import parse_choice, post_completions
 from shmvec.rollouts.tokens import ChatTokens, TurnTokens, turn_prompt
 from shmvec_bench.rss import cpu_s
 
@@ -273,12 +276,13 @@ class ServerSession:
             p50, p99 = stats["latency_p50_s"], stats["latency_p99_s"]
             interrupted = stats["interrupted"]
             kept = stats.get("tokens_interrupted", 0)
+            faults = sum(stats["faults"].values())
         else:
             with self.log._lock:
                 latencies = list(self.log.latencies)
             p50 = float(np.percentile(latencies, 50)) if latencies else float("nan")
             p99 = float(np.percentile(latencies, 99)) if latencies else float("nan")
-            interrupted = kept = 0
+            interrupted = kept = faults = 0
         return {
             "requests": self.requests() - self._requests0,
             "latency_p50_s": p50,
@@ -286,6 +290,7 @@ class ServerSession:
             **server,
             "interrupted": interrupted,
             "tokens_interrupted": kept,
+            "faults": faults,
         }
 
     def close(self) -> None:
@@ -297,19 +302,21 @@ class ServerSession:
 
 
 def _client(config: ServerConfig, connections: int, asynchronous: bool) -> Any:
-    """The async client is ``ServerPolicy``'s (over aiohttp where installed); the blocking one
-    ``openai.OpenAI`` over httpx, with the same pool and timeouts."""
+    """``openai.AsyncOpenAI`` or ``openai.OpenAI`` as they come (over httpx, a failed request
+    retried twice; rLLM's client), ``connections`` wide, ``ServerPolicy``'s timeouts."""
     import openai
 
-    connections += 8
-    if asynchronous:
-        return make_client(config.base_url, "EMPTY", connections, Retry())
     limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
-        max_connections=connections, max_keepalive_connections=connections
+        max_connections=connections + 8, max_keepalive_connections=connections + 8
     )
     timeout = openai.Timeout(Retry().timeout_s, connect=Retry().connect_timeout_s)
+    if asynchronous:
+        return openai.AsyncOpenAI(
+            base_url=config.base_url, api_key="EMPTY", timeout=timeout,
+            http_client=openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout),
+        )  # fmt: skip
     return openai.OpenAI(
-        base_url=config.base_url, api_key="EMPTY", max_retries=0, timeout=timeout,
+        base_url=config.base_url, api_key="EMPTY", timeout=timeout,
         http_client=openai.DefaultHttpxClient(limits=limits, timeout=timeout),
     )  # fmt: skip
 
