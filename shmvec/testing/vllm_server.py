@@ -104,8 +104,14 @@ class VLLMServer:
         return found
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
-        """Signals the server's process group and waits; then removes the shared-memory
-        files its processes had mapped (a killed vLLM leaves them behind)."""
+        """Stops the server and waits; then removes the shared-memory files its processes had
+        mapped (a killed vLLM leaves them behind).
+
+        SIGTERM goes to the server alone, which shuts its engine down and lets its resource
+        tracker unlink the semaphores it made (signalled with the rest of the group, the
+        tracker could die first and leave them in /dev/shm); whatever of the group is left
+        after ``timeout_s`` is killed. Any other signal (SIGKILL: a crash) goes to every
+        process of the group but the resource tracker, which then unlinks them."""
         self.shm |= self._group_shm()
         shm, self.shm = self.shm, set()
         try:
@@ -119,20 +125,54 @@ class VLLMServer:
 
     def _signal(self, sig: int, timeout_s: float) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
+        group = proc.pid
         try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=timeout_s)
+            if proc.poll() is None:
+                if sig == signal.SIGTERM:
+                    proc.send_signal(sig)
+                else:  # all but the resource tracker, which then unlinks what they made
+                    for pid in _group(group, trackers=False):
+                        os.kill(pid, sig)
+                proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(group, signal.SIGKILL)
             proc.wait(timeout=timeout_s)
         except ProcessLookupError:
             pass
-        try:  # engine processes left behind in the group
-            os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while _group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the engine and the tracker end after the server
+        try:  # whatever of the group is left
+            os.killpg(group, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies do not count)."""
+    return bool(_group(pgid))
+
+
+def _group(pgid: int, trackers: bool = True) -> list[int]:
+    """The running processes of group ``pgid`` (without multiprocessing's resource trackers
+    unless ``trackers``)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid or fields[0] == "Z":
+                continue
+            if not trackers:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    if b"multiprocessing.resource_tracker" in fh.read():
+                        continue
+        except OSError:
+            continue
+        found.append(int(pid))
+    return found
 
 
 __all__ = ["VLLMServer", "free_port"]
