@@ -69,7 +69,7 @@ class RolloutFunc:
             :class:`~shmvec.rollouts.Task` its group starts from (a reset seed, options).
         policy: a rollout policy whose extras are ``TurnTokens`` (one per turn):
             :class:`ModelPolicy`, or a per-row policy that calls an inference server. A
-            policy with a ``trainer_session(trainer)`` context manager runs inside it
+            policy with a ``with_trainer(trainer)`` context manager runs inside it
             during each call.
         max_retries: a failed trajectory (env error, dead worker, step deadline) is run
             again from its task up to this many times; a group that still fails makes the
@@ -157,8 +157,8 @@ class RolloutFunc:
                 "call: a rollout function serves one trainer (make one per training run)"
             )
         rollouts.set_version(step)
-        session = getattr(self.policy, "trainer_session", None)
-        with session(trainer) if session is not None else contextlib.nullcontext():
+        with_trainer = getattr(self.policy, "with_trainer", None)
+        with with_trainer(trainer) if with_trainer is not None else contextlib.nullcontext():
             rollouts.submit(tasks)
             try:
                 groups = self._collect(rollouts, tasks)
@@ -278,7 +278,7 @@ def user_message(row: PolicyRow) -> list[dict[str, Any]]:
 
 
 @dataclass
-class _Session:
+class _TrainerModel:
     """What one ``rollout_func`` call lends the policy: the model and its settings."""
 
     model: Any
@@ -305,7 +305,7 @@ class ModelPolicy:
     It samples from the whole distribution at the trainer's ``temperature`` (no top-k or
     top-p), so that each log-probability is the one TRL recomputes for the same weights; the
     action sent to the env is the completion decoded without special tokens. It runs only
-    inside a call of :class:`RolloutFunc` (its ``trainer_session``), which lends it the
+    inside a call of :class:`RolloutFunc` (its ``with_trainer``), which lends it the
     model as TRL's own generation does (``trl.models.unwrap_model_for_generation``).
     """
 
@@ -323,11 +323,11 @@ class ModelPolicy:
             raise ValueError(f"max_new_tokens must be None or an int >= 1, got {max_new_tokens!r}")
         self.messages, self.max_new_tokens = messages, max_new_tokens
         self._lock = threading.Lock()  # held while a batch is sampled
-        self._session: _Session | None = None
+        self._model_state: _TrainerModel | None = None
         self._chat: ChatTokens | None = None
 
     @contextlib.contextmanager
-    def trainer_session(self, trainer: Any) -> Iterator[None]:
+    def with_trainer(self, trainer: Any) -> Iterator[None]:
         """Lends the policy ``trainer``'s model, tokenizer and sampling settings; on exit,
         waits for the batch being sampled, if any, and takes them back."""
         from trl.models import unwrap_model_for_generation
@@ -346,7 +346,7 @@ class ModelPolicy:
             trainer.accelerator,
             gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
         ) as model:
-            session = _Session(
+            state = _TrainerModel(
                 model=model,
                 chat=self._chat,
                 pad_id=int(pad_id),
@@ -355,26 +355,26 @@ class ModelPolicy:
                 version=int(trainer.state.global_step),
             )
             with self._lock:
-                self._session = session
+                self._model_state = state
             try:
                 yield
             finally:
                 with self._lock:
-                    self._session = None
+                    self._model_state = None
 
     def __call__(self, batch: PolicyBatch) -> PolicyOutput:
         with self._lock:
-            session = self._session
-            if session is None:
+            state = self._model_state
+            if state is None:
                 raise PolicyError(
                     "ModelPolicy samples with the trainer's model, which it holds only during "
                     "a call of RolloutFunc"
                 )
-            turns = self._sample(session, batch)
-        actions = [session.chat.reply_text(turn.completion_ids) for turn in turns]
+            turns = self._sample(state, batch)
+        actions = [state.chat.reply_text(turn.completion_ids) for turn in turns]
         return PolicyOutput(actions=actions, extras=list(turns))
 
-    def _sample(self, session: _Session, batch: PolicyBatch) -> list[TurnTokens]:
+    def _sample(self, state: _TrainerModel, batch: PolicyBatch) -> list[TurnTokens]:
         import torch
         from transformers import GenerationConfig
 
@@ -388,41 +388,41 @@ class ModelPolicy:
                     f"messages(row) returned {messages!r} for env {env_id}: it must return the "
                     "non-empty list of chat messages the observation adds"
                 )
-            prompt_ids, env_start = turn_prompt(session.chat, trajectory.extras, messages)
+            prompt_ids, env_start = turn_prompt(state.chat, trajectory.extras, messages)
             prompts.append((prompt_ids, env_start, messages))
         width = max(len(ids) for ids, _, _ in prompts)
-        device = session.model.device
+        device = state.model.device
         input_ids = torch.tensor(
-            [[session.pad_id] * (width - len(ids)) + ids for ids, _, _ in prompts], device=device
+            [[state.pad_id] * (width - len(ids)) + ids for ids, _, _ in prompts], device=device
         )
         attention = torch.tensor(
             [[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in prompts], device=device
         )
-        stop = sorted(session.chat.stop_ids)
+        stop = sorted(state.chat.stop_ids)
         config = GenerationConfig(
             do_sample=True,
-            temperature=session.temperature,
+            temperature=state.temperature,
             top_k=0,
             top_p=1.0,
-            max_new_tokens=session.max_new_tokens,
+            max_new_tokens=state.max_new_tokens,
             eos_token_id=stop or None,
-            pad_token_id=session.pad_id,
+            pad_token_id=state.pad_id,
             return_dict_in_generate=True,
             output_logits=True,
             disable_compile=True,  # as TRL's own generation: no compile per prompt length
         )
-        output = session.model.generate(
+        output = state.model.generate(
             input_ids=input_ids, attention_mask=attention, generation_config=config
         )
         new = output.sequences[:, width:]
-        logits = torch.stack(output.logits, dim=1).float() / session.temperature
+        logits = torch.stack(output.logits, dim=1).float() / state.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         turns = []
         for row, (prompt_ids, env_start, messages) in enumerate(prompts):
             ids = new[row].tolist()
             length, finish = len(ids), "length"
             for at, token in enumerate(ids):
-                if token in session.chat.stop_ids:
+                if token in state.chat.stop_ids:
                     length, finish = at + 1, "stop"
                     break
             turns.append(
@@ -430,7 +430,7 @@ class ModelPolicy:
                     prompt_ids=prompt_ids,
                     completion_ids=ids[:length],
                     logprobs=logprobs[row, :length].tolist(),
-                    versions=[session.version] * length,
+                    versions=[state.version] * length,
                     env_start=env_start,
                     messages=messages,
                     finish_reason=finish,

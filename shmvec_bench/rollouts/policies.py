@@ -193,7 +193,7 @@ class Batcher:
 
 
 def make_policy(name: str, actions: Sequence[str], seed: int = 0, server=None):
-    """A new policy by name (``latency``, ``gru``, or ``server``: a session with the server
+    """A new policy by name (``latency``, ``gru``, or ``server``: a run's side of the server
     ``server``, a ``shmvec_bench.rollouts.server.ServerConfig``) choosing among ``actions``."""
     if name == "latency":
         return LatencyPolicy(actions, seed)
@@ -202,9 +202,9 @@ def make_policy(name: str, actions: Sequence[str], seed: int = 0, server=None):
     if name == "server":
         if server is None:
             raise ValueError("the server policy needs a server (a ServerConfig)")
-        from shmvec_bench.rollouts.server import ServerSession
+        from shmvec_bench.rollouts.server import ServerRun
 
-        return ServerSession(server, actions)
+        return ServerRun(server, actions)
     raise ValueError(f"unknown policy {name!r}; expected one of {POLICIES}")
 
 

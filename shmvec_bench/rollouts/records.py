@@ -56,7 +56,7 @@ class RunContext:
     #: Complete groups per ``get_batch``: ``num_envs // group_size``.
     groups_per_batch: int
     #: The policy: ``policy(list[str]) -> list[str]``, with a ``clock``; or a
-    #: ``shmvec_bench.rollouts.server.ServerSession`` (``--policy server``).
+    #: ``shmvec_bench.rollouts.server.ServerRun`` (``--policy server``).
     policy: object
     seed: int = 0
     #: shmvec's async batch (rows per policy call); None: its rule (a sixteenth of the envs).

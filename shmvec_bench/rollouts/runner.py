@@ -37,7 +37,7 @@ import numpy as np
 from shmvec_bench.rollouts.backends import REGISTRY
 from shmvec_bench.rollouts.policies import make_policy
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TaskStream
-from shmvec_bench.rollouts.server import ServerConfig, ServerSession
+from shmvec_bench.rollouts.server import ServerConfig, ServerRun
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, WORKLOADS, is_straggler
 from shmvec_bench.rss import descendants, tree_cpu_s, tree_pss_mib
 from shmvec_bench.runner import MeasurementTimeout, deadline
@@ -179,7 +179,7 @@ def measure(
             row.variant += ", interrupt"
     RELEASE_HANGS.clear()
     pol = make_policy(policy, spec.actions, seed, server=server)
-    session = pol if isinstance(pol, ServerSession) else None
+    server_run = pol if isinstance(pol, ServerRun) else None
     stream = TaskStream(seed)
     ctx = RunContext(
         workload, num_envs, group_size, num_envs // group_size, pol, seed,
@@ -200,8 +200,8 @@ def measure(
                 killer = Killer(runner.env_pids, spec.kill_every_s, seed)
             if not entry.lockstep:
                 runner.get_batch()
-            if session is not None:
-                session.window()
+            if server_run is not None:
+                server_run.window()
             else:
                 busy0, _, _ = pol.clock.snapshot()
             steps0, launched0, stragglers0 = runner.env_steps, stream.launched, stream.stragglers
@@ -218,8 +218,8 @@ def measure(
             cpu1 = tree_cpu_s()
             skip = set(server.server_pids) if server is not None else set()
             cpu = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1 if p not in skip)
-            if session is not None:
-                _server_figures(row, session.figures(), elapsed, cpu)
+            if server_run is not None:
+                _server_figures(row, server_run.figures(), elapsed, cpu)
                 row.token_lags = " ".join(
                     f"{lag}:{n}" for lag, n in sorted(getattr(runner, "token_lags", {}).items())
                 )
@@ -258,8 +258,8 @@ def measure(
             RELEASE_HANGS.set()
             with deadline(30.0):
                 runner.close(terminate=failed)
-        if session is not None:
-            session.close()
+        if server_run is not None:
+            server_run.close()
         if failed:
             # A backend that hung or crashed while opening left its processes behind
             # (nothing holds it to close): they would count in the next runs' PSS and CPU.
@@ -288,7 +288,7 @@ def _sum_lags(lags: Iterable[str]) -> str:
 
 
 def _server_figures(row: RolloutMeasurement, figures: dict, elapsed: float, cpu: float) -> None:
-    """The server policy's figures of the window (``ServerSession.figures()``) into ``row``."""
+    """The server policy's figures of the window (``ServerRun.figures()``) into ``row``."""
     requests = figures["requests"]
     row.requests_per_s = requests / elapsed
     row.request_p50_s, row.request_p99_s = figures["latency_p50_s"], figures["latency_p99_s"]

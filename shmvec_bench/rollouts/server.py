@@ -185,7 +185,7 @@ def process_name(pid: int) -> str:
         return ""
 
 
-class ServerSession:
+class ServerRun:
     """One run's side of the server: its clients, its requests, the monitor.
 
     ``make_policy("server", ...)`` gives each run a fresh one; ``close()`` refuses every
@@ -324,19 +324,19 @@ class Conversation:
     """One trajectory's turns for the runners that call the server themselves: each turn's
     prompt built from ids as ``ServerPolicy`` builds it, the reply's ids kept."""
 
-    def __init__(self, session: ServerSession) -> None:
-        self.session = session
+    def __init__(self, server_run: ServerRun) -> None:
+        self.server_run = server_run
         self.turns: list[TurnTokens] = []
 
     def _prompt(self, observation: str) -> tuple[list[int], int, list[dict[str, str]]]:
-        if self.session.closed.is_set():
+        if self.server_run.closed.is_set():
             raise Stopped("the run is closing")
         messages = (follow_up if self.turns else opening)(observation)
-        prompt, env_start = turn_prompt(self.session.chat, self.turns, messages)
+        prompt, env_start = turn_prompt(self.server_run.chat, self.turns, messages)
         return prompt, env_start, messages
 
     def _keep(self, prompt, env_start, messages, reply, started: float) -> str:
-        self.session.log.add(time.monotonic() - started)
+        self.server_run.log.add(time.monotonic() - started)
         piece = parse_choice(reply)
         self.turns.append(
             TurnTokens(
@@ -349,26 +349,26 @@ class Conversation:
                 piece.finish_reason or "",
             )  # fmt: skip
         )
-        return pick(self.session.chat.reply_text(piece.ids), self.session.actions)
+        return pick(self.server_run.chat.reply_text(piece.ids), self.server_run.actions)
 
     def ask(self, observation: str, connections: int) -> str:
         """The next action, from a blocking request."""
         prompt, env_start, messages = self._prompt(observation)
-        client = self.session.sync_client(connections)
+        client = self.server_run.sync_client(connections)
         started = time.monotonic()
-        reply = post_completions(client, self.session.body(prompt))
+        reply = post_completions(client, self.server_run.body(prompt))
         return self._keep(prompt, env_start, messages, reply, started)
 
     async def aask(self, client: Any, observation: str) -> str:
         """The next action, awaited."""
         prompt, env_start, messages = self._prompt(observation)
         started = time.monotonic()
-        reply = await post_completions(client, self.session.body(prompt))
+        reply = await post_completions(client, self.server_run.body(prompt))
         return self._keep(prompt, env_start, messages, reply, started)
 
 
 def server_pids(pgid: int) -> list[int]:
-    """The pids of process group ``pgid`` (a server started in a session of its own)."""
+    """The pids of process group ``pgid`` (a server started with a process group of its own)."""
     import os
 
     pids = []

@@ -21,7 +21,7 @@ import threading
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.policies import Batcher, Stopped
 from shmvec_bench.rollouts.records import GroupAssembler, RunContext, TrajRecord, now
-from shmvec_bench.rollouts.server import ServerSession
+from shmvec_bench.rollouts.server import ServerRun
 from shmvec_bench.rollouts.server import Stopped as ServerStopped
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, make_env
 
@@ -31,7 +31,7 @@ class RollThreads:
         RELEASE_HANGS.clear()
         self.ctx = ctx
         self.assembler = GroupAssembler(ctx.stream, ctx.group_size)
-        self.server = ctx.policy if isinstance(ctx.policy, ServerSession) else None
+        self.server = ctx.policy if isinstance(ctx.policy, ServerRun) else None
         self.batcher = None if self.server else Batcher(ctx.policy)
         self.lock = threading.Lock() if use_thread_lock else None
         self.env_steps = 0

@@ -23,7 +23,7 @@ from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.backends.shmvec_common import describe, open_envs, worker_pids
 from shmvec_bench.rollouts.policies import Batcher
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TrajRecord
-from shmvec_bench.rollouts.server import ServerSession
+from shmvec_bench.rollouts.server import ServerRun
 from shmvec_bench.rollouts.workloads import is_straggler
 
 #: The layer's finished statuses, as the benchmark's records name them.
@@ -53,7 +53,7 @@ class ShmvecLayer:
         self.token_lags: Counter[int] = Counter()
         policy = ctx.policy
         layer_policy: Any
-        if isinstance(policy, ServerSession):
+        if isinstance(policy, ServerRun):
             layer_policy = policy.layer_policy(ctx.num_envs, ctx.interrupt)
         elif ctx.policy_mode == "rows":
             self.batcher = batcher = Batcher(policy)
@@ -86,7 +86,7 @@ class ShmvecLayer:
                 self.batcher.close()
             raise
         mode = ctx.policy_mode
-        if isinstance(policy, ServerSession):
+        if isinstance(policy, ServerRun):
             mode = f"server interrupt={'on' if ctx.interrupt else 'off'}"
         self.config = describe(self.envs) + f" max_lag={ctx.max_lag} policy={mode}"
 

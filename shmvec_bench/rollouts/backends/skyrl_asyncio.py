@@ -8,9 +8,9 @@ batch) and rllm-org/rllm ``rllm/engine/agent_workflow_engine.py`` (asyncio tasks
 sync env calls in a thread pool). A trajectory makes its own env, as SkyRL's
 agent loop does. Inference requests from all coroutines are batched whenever the
 engine is free (the engine's continuous batching), the engine running in a
-thread of its own. The first exception aborts the whole batch (``tqdm.gather``,
-SkyRL#1613). With ``--policy server`` each coroutine awaits its own request per turn on
-one ``openai.AsyncOpenAI`` client a batch (rLLM's and SkyRL's remote-engine clients).
+thread of its own. The first exception aborts the whole batch (``tqdm.gather``, as
+SkyRL's generator does). With ``--policy server`` each coroutine awaits its own request per
+turn on one ``openai.AsyncOpenAI`` client a batch (rLLM's and SkyRL's remote-engine clients).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.records import GroupRecord, RunContext, TrajRecord, now
-from shmvec_bench.rollouts.server import ServerSession
+from shmvec_bench.rollouts.server import ServerRun
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, make_env
 
 #: SkyRL's default ``max_env_workers``.
@@ -95,16 +95,16 @@ class SkyrlAsyncio:
     async def _generate(self) -> list[GroupRecord]:
         g = self.ctx.group_size
         tasks = [self.ctx.stream.take() for _ in range(self.ctx.groups_per_batch)]
-        session = self.ctx.policy
-        if isinstance(session, ServerSession):
-            client = session.async_client(self.ctx.num_envs)
+        server_run = self.ctx.policy
+        if isinstance(server_run, ServerRun):
+            client = server_run.async_client(self.ctx.num_envs)
 
             def generator():
-                return functools.partial(session.conversation().aask, client)
+                return functools.partial(server_run.conversation().aask, client)
 
             finish = client.close
         else:
-            batcher = AsyncBatcher(session, self.engine)
+            batcher = AsyncBatcher(server_run, self.engine)
             batching = asyncio.create_task(batcher.serve())
 
             def generator():
