@@ -63,3 +63,19 @@ def vllm_server(tiny_llm_path):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def no_threads_left():
+    """Fails a test that leaves threads of its own running (given two seconds to end): a
+    thread left behind keeps running into later tests, and into the interpreter's exit."""
+    import threading
+    import time
+
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 2.0
+    for thread in set(threading.enumerate()) - before:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    left = sorted(t.name for t in set(threading.enumerate()) - before if t.is_alive())
+    assert not left, f"threads still running after the test: {left}"

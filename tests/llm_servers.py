@@ -107,7 +107,10 @@ class FakeServer:
         future.result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            raise RuntimeError("the fake server's thread did not stop")
         self._thread = None
+        self._loop.close()
 
     def _serve(self) -> None:
         from aiohttp import web
@@ -115,7 +118,8 @@ class FakeServer:
         asyncio.set_event_loop(self._loop)
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._route)
-        self._runner = web.AppRunner(app, handler_cancellation=True)
+        # A stop waits this long for the requests being answered, then cancels them.
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=2.0)
         self._loop.run_until_complete(self._runner.setup())
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         self._loop.run_until_complete(site.start())

@@ -22,6 +22,8 @@ from shmvec_bench.rollouts.records import RunContext
 from shmvec_bench.rollouts.runner import measure, median_row
 from shmvec_bench.rollouts.workloads import WORKLOADS, make_env
 
+pytestmark = pytest.mark.usefixtures("no_threads_left")
+
 NUM_ENVS, GROUP = 8, 4
 HAS_GEM = importlib.util.find_spec("gem") is not None
 #: gem-llm's games where it is installed, else FrozenLake as text (gymnasium only).

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 
 import pytest
 
@@ -25,6 +26,7 @@ from shmvec_bench.rollouts.server import ServerConfig, parse_sums, pick, server_
 from shmvec_bench.rollouts.workloads import WORKLOADS  # noqa: E402
 
 RUNNERS = ("shmvec", "skyrl-asyncio", "roll-threads")
+pytestmark = pytest.mark.usefixtures("no_threads_left")
 
 
 def prompts_grow_by_ids(seen, tokenizer) -> tuple[int, int]:
@@ -47,6 +49,8 @@ def test_each_runner_samples_every_turn_from_the_server_by_ids(backend, tiny_tok
             "tool", backend, "server", num_envs=16, group_size=4, seconds=1.0, timeout=60,
             max_lag=None, server=config,
         )  # fmt: skip
+        # The run waited for its threads: none is left to send a request to this server.
+        assert [t.name for t in threading.enumerate() if t.name.startswith("env")] == []
         assert m.outcome == "ok", m.outcome
         assert m.groups >= 4 and m.failed_trajectories == 0
         assert m.requests_per_s > 0 and m.request_p50_s > 0
@@ -152,3 +156,35 @@ def test_median_rows_sum_the_token_lags_of_their_runs():
     rows = [RolloutMeasurement("tool", "shmvec", "server", 8, 4) for _ in range(3)]
     rows[0].token_lags, rows[1].token_lags, rows[2].token_lags = "0:5 1:2", "0:1 2:4", ""
     assert median_row(rows).token_lags == "0:6 1:2 2:4"
+
+
+def test_server_cpus_are_checked_and_parsed(capsys):
+    from shmvec_bench.rollouts.cli import cpu_list, parse_args
+
+    assert cpu_list("0") == {0} and cpu_list("0,2") == {0, 2} and cpu_list("1-3") == {1, 2, 3}
+    usable = sorted(os.sched_getaffinity(0))
+    for bad, said in [
+        (["--server-cpus", "x"], "is not a CPU list"),
+        (["--server-cpus", ",".join(map(str, usable))], "leave at least one to the runners"),
+        (["--server-cpus", str(max(usable) + 1)], "must be some of the CPUs"),
+        (["--server-cpus", "0", "--server-url", "http://127.0.0.1:1/v1"], "drop --server-url"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args(["--policy", "server", *bad])
+        assert said in capsys.readouterr().err
+
+
+def test_a_server_started_on_some_cpus_runs_on_those():
+    """``VLLMServer(cpus=...)`` starts its process on those CPUs; the caller keeps its own."""
+    import subprocess
+
+    from shmvec.testing.vllm_server import _thread_cpus
+
+    before = os.sched_getaffinity(0)
+    with _thread_cpus({min(before)}):
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    assert child.stdout.strip() == str([min(before)])
+    assert os.sched_getaffinity(0) == before

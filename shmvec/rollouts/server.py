@@ -155,6 +155,8 @@ class ServerPolicy(AsyncPolicy):
         if self.interrupt:
             for task, started in list(self._streams.items()):
                 if started < version and not task.done():
+                    # Once: a second cancel would land in the stream's own cleanup.
+                    del self._streams[task]
                     task.cancel()
 
     async def aclose(self) -> None:

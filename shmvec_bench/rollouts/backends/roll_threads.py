@@ -55,7 +55,13 @@ class RollThreads:
         if self.server is None:
             return self.batcher.ask
         conversation = self.server.conversation()
-        return lambda obs: conversation.ask(obs, self.ctx.num_envs)
+
+        def ask(observation: str) -> str:
+            if self._stop.is_set():
+                raise ServerStopped("the runner is closing")
+            return conversation.ask(observation, self.ctx.num_envs)
+
+        return ask
 
     def _loop(self, index: int) -> None:
         try:
@@ -94,10 +100,15 @@ class RollThreads:
         return None
 
     def close(self, terminate: bool = False) -> None:
+        """Stops the env threads at their next policy request and waits for them (each ends
+        its env step or server request first), unless ``terminate``."""
         self._stop.set()
         RELEASE_HANGS.set()
         if self.batcher is not None:
             self.batcher.close()
+        if not terminate:
+            for thread in self.threads:
+                thread.join()
 
 
 @register(
