@@ -167,7 +167,11 @@ def test_server_cpus_are_checked_and_parsed(capsys):
         (["--server-cpus", "x"], "is not a CPU list"),
         (["--server-cpus", ",".join(map(str, usable))], "leave at least one to the runners"),
         (["--server-cpus", str(max(usable) + 1)], "must be some of the CPUs"),
-        (["--server-cpus", "0", "--server-url", "http://127.0.0.1:1/v1"], "drop --server-url"),
+        (["--server-cpus", "0", "--server-url", "http://127.0.0.1:1/v1"], "this benchmark starts"),
+        (
+            ["--server-cpus", "0", "--policy", "latency"],
+            "this benchmark starts for --policy server",
+        ),
     ]:
         with pytest.raises(SystemExit):
             parse_args(["--policy", "server", *bad])

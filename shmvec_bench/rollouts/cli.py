@@ -160,8 +160,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.num_envs % args.group_size:
         parser.error(f"--num-envs {args.num_envs} is not a multiple of --group-size")
     if args.server_cpus is not None:
-        if args.server_url is not None:
-            parser.error("--server-cpus places the server this benchmark starts: drop --server-url")
+        if args.server_url is not None or "server" not in args.policy:
+            parser.error(
+                "--server-cpus places the server this benchmark starts for --policy server"
+            )
         usable = os.sched_getaffinity(0)
         if not args.server_cpus < usable:
             parser.error(
@@ -229,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return awaitable_main(argv[1:])
     args = parse_args(argv)
+    load = warn_if_busy(available_cpus())  # the load average counts every CPU
     if args.server_cpus is not None:  # the runners (and every process they start) on the rest
         os.sched_setaffinity(0, os.sched_getaffinity(0) - args.server_cpus)
     cores = available_cpus()
@@ -242,7 +245,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The layer's lag bounds each make a row of their own; the other runners have none.
     lags = [None if lag < 0 else lag for lag in dict.fromkeys(args.max_lag)]
     interrupts = [mode == "on" for mode in dict.fromkeys(args.interrupt)]
-    load = warn_if_busy(cores)
     started = time.perf_counter()
     runs, medians = [], []
     with ExitStack() as stack:
