@@ -4,6 +4,8 @@ requests in flight, close(), interruption across versions, and clear errors for 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import itertools
 import os
@@ -14,7 +16,7 @@ import pytest
 
 from shmvec.rollouts import PolicyError, Rollouts, Status, Task
 from shmvec.rollouts.server import Retry, Sampling, ServerPolicy
-from shmvec.rollouts.server_client import InFlightLimit
+from shmvec.rollouts.server_client import ClientShards, InFlightLimit
 from shmvec.rollouts.tokens import TurnTokens, batch_samples
 from shmvec.text_envs import FrozenLakeText
 
@@ -217,6 +219,17 @@ def test_requests_in_flight_are_capped(tiny_tokenizer):
         pol = policy(server, tiny_tokenizer, max_in_flight=3, interrupt=True)
         groups, _ = run(pol, groups=4, envs=16)
     assert len(groups) == 4 and 1 <= server.max_active <= 3
+
+
+def test_client_shards_hold_the_connections_and_balance_the_requests():
+    shards = ClientShards("http://127.0.0.1:1/v1", "EMPTY", 100, Retry())
+    assert len(shards.clients) == 4  # at most SHARD_CONNECTIONS = 32 connections each
+    with contextlib.ExitStack() as stack:
+        taken = [stack.enter_context(shards.client()) for _ in range(100)]
+        assert shards.in_flight == [25, 25, 25, 25]
+        assert {id(c) for c in taken} == {id(c) for c in shards.clients}
+    assert shards.in_flight == [0, 0, 0, 0]
+    asyncio.run(shards.aclose())
 
 
 def test_adaptive_limit_halves_on_overload_and_grows_back():

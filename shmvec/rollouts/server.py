@@ -35,6 +35,7 @@ from shmvec.rollouts.policies import AsyncPolicy
 from shmvec.rollouts.records import PolicyFailure, PolicyRow, RowOutput
 from shmvec.rollouts.server_client import (
     OVERLOAD,
+    ClientShards,
     InFlightLimit,
     Piece,
     Retry,
@@ -42,7 +43,6 @@ from shmvec.rollouts.server_client import (
     ServerFault,
     ServerSetupError,
     classify,
-    make_client,
     parse_choice,
     post_completions,
 )
@@ -132,7 +132,7 @@ class ServerPolicy(AsyncPolicy):
         self.interrupt, self.count_drift = interrupt, count_drift
         self.api_key, self.context_length = api_key, context_length
         self.version = 0
-        self._client: Any = None
+        self._clients: ClientShards | None = None
         self._checked = False
         self._check_lock: asyncio.Lock | None = None
         self._vocab = len(tokenizer)
@@ -160,10 +160,11 @@ class ServerPolicy(AsyncPolicy):
                     task.cancel()
 
     async def aclose(self) -> None:
-        """Closes the HTTP client (its connections); calls in flight should be cancelled first."""
-        if self._client is not None:
-            client, self._client = self._client, None
-            await client.close()
+        """Closes the HTTP clients (their connections); calls in flight should be cancelled
+        first."""
+        if self._clients is not None:
+            clients, self._clients = self._clients, None
+            await clients.aclose()
 
     def stats(self) -> dict[str, Any]:
         """Requests, tokens and failures since construction (callable from any thread)."""
@@ -311,8 +312,8 @@ class ServerPolicy(AsyncPolicy):
         return body
 
     async def _request(self, prompt: list[int], max_tokens: int) -> Piece:
-        client = self._http()
-        reply = await post_completions(client, self._body(prompt, max_tokens, False))
+        with self._http().client() as client:
+            reply = await post_completions(client, self._body(prompt, max_tokens, False))
         piece = parse_choice(reply)
         if not piece.ids:
             raise ServerFault("empty_reply", "a reply with no token", retry=True)
@@ -337,34 +338,34 @@ class ServerPolicy(AsyncPolicy):
         return True
 
     async def _stream(self, prompt: list[int], out: _Completion, max_tokens: int, version: int):
-        client = self._http()
-        stream = await post_completions(client, self._body(prompt, max_tokens, True))
-        async with stream:
-            try:
-                async for chunk in stream:
-                    piece = parse_choice(chunk)
-                    self._check_ids(piece.ids)
-                    out.add(piece, version)
-                    if piece.finish_reason == "abort":
-                        out.finish_reason = None
-                        raise ServerFault("aborted", "the server aborted the request", retry=True)
-                    if piece.finish_reason is not None:
-                        return
-            except Exception as error:  # noqa: BLE001 - a broken stream is a fault of its own
-                fault = classify(error)
-                if fault.kind == "connect":
-                    raise ServerFault("dropped", f"the stream broke: {fault}", True) from error
-                raise fault from error
+        with self._http().client() as client:
+            stream = await post_completions(client, self._body(prompt, max_tokens, True))
+            async with stream:
+                try:
+                    async for chunk in stream:
+                        piece = parse_choice(chunk)
+                        self._check_ids(piece.ids)
+                        out.add(piece, version)
+                        if piece.finish_reason == "abort":
+                            out.finish_reason = None
+                            raise ServerFault("aborted", "the server aborted the request", True)
+                        if piece.finish_reason is not None:
+                            return
+                except Exception as error:  # noqa: BLE001 - a broken stream is a fault of its own
+                    fault = classify(error)
+                    if fault.kind == "connect":
+                        raise ServerFault("dropped", f"the stream broke: {fault}", True) from error
+                    raise fault from error
         raise ServerFault("dropped", "the stream ended before the completion finished", retry=True)
 
     # -------------------------------------------------------------- the server
 
-    def _http(self) -> Any:
-        if self._client is None:
-            self._client = make_client(
+    def _http(self) -> ClientShards:
+        if self._clients is None:
+            self._clients = ClientShards(
                 self.base_url, self.api_key, self.limit.maximum + 8, self.retry
             )
-        return self._client
+        return self._clients
 
     async def _ensure_checked(self) -> None:
         """Checks the server once (the model is served, the tokenizer is its own); a server
@@ -391,24 +392,24 @@ class ServerPolicy(AsyncPolicy):
                 await asyncio.sleep(self.retry.delay(failures, fault.retry_after, self._rng))
 
     async def _check(self) -> None:
-        client = self._http()
-        try:
-            models = await client.models.list()
-            served = {m.id: m for m in models.data}
-        except (ValueError, TypeError, AttributeError, KeyError) as error:
-            raise ServerSetupError(
-                f"{self.base_url} is not an OpenAI-compatible server: GET /models answered "
-                f"{error!r:.200}"
-            ) from error
-        if self.model not in served:
-            raise ServerSetupError(
-                f"the server at {self.base_url} does not serve model {self.model!r}; it serves "
-                f"{sorted(served)}"
-            )
-        if self.context_length is None:
-            length = getattr(served[self.model], "max_model_len", None)
-            self.context_length = int(length) if isinstance(length, int) else None
-        await self._check_tokenizer(client)
+        with self._http().client() as client:
+            try:
+                models = await client.models.list()
+                served = {m.id: m for m in models.data}
+            except (ValueError, TypeError, AttributeError, KeyError) as error:
+                raise ServerSetupError(
+                    f"{self.base_url} is not an OpenAI-compatible server: GET /models answered "
+                    f"{error!r:.200}"
+                ) from error
+            if self.model not in served:
+                raise ServerSetupError(
+                    f"the server at {self.base_url} does not serve model {self.model!r}; it serves "
+                    f"{sorted(served)}"
+                )
+            if self.context_length is None:
+                length = getattr(served[self.model], "max_model_len", None)
+                self.context_length = int(length) if isinstance(length, int) else None
+            await self._check_tokenizer(client)
 
     async def _check_tokenizer(self, client: Any) -> None:
         """Compares the server's tokenization of a probe text with the policy tokenizer's,

@@ -232,9 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return awaitable_main(argv[1:])
     args = parse_args(argv)
     load = warn_if_busy(available_cpus())  # the load average counts every CPU
-    if args.server_cpus is not None:  # the runners (and every process they start) on the rest
-        os.sched_setaffinity(0, os.sched_getaffinity(0) - args.server_cpus)
-    cores = available_cpus()
+    # With --server-cpus, the runners (and every process they start) run on the other CPUs.
+    runner_cpus = os.sched_getaffinity(0) - (args.server_cpus or set())
+    cores = len(runner_cpus)
     backends = [b for b in args.backends if REGISTRY[b].is_importable()]
     for b in sorted(set(args.backends) - set(backends)):
         print(f"note: {REGISTRY[b].requires} is not installed; skipping {b}", file=sys.stderr)
@@ -248,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     runs, medians = [], []
     with ExitStack() as stack:
+        stack.callback(os.sched_setaffinity, 0, os.sched_getaffinity(0))
+        os.sched_setaffinity(0, runner_cpus)
         server = stack.enter_context(open_server(args)) if "server" in policies else None
         for workload, policy in itertools.product(args.workloads, policies):
             if policy == "server":
@@ -303,9 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plotted = write_plot(medians, args.out / "rollouts.png", title=summary)
     print(summary)
     placed = (
-        f"; the server on CPUs {sorted(args.server_cpus)}, the runners on "
-        f"{sorted(os.sched_getaffinity(0))}"
-        if args.server_cpus is not None and "server" in policies
+        f"; the server on CPUs {sorted(args.server_cpus)}, the runners on {sorted(runner_cpus)}"
+        if args.server_cpus is not None
         else ""
     )
     print(
