@@ -65,17 +65,30 @@ def vllm_server(tiny_llm_path):
         server.stop()
 
 
+#: Packages whose threads ``no_threads_left`` watches (libraries keep threads of their own).
+OURS = {"shmvec", "shmvec_bench", "llm_servers"}
+
+
 @pytest.fixture
 def no_threads_left():
-    """Fails a test that leaves threads of its own running (given two seconds to end): a
-    thread left behind keeps running into later tests, and into the interpreter's exit."""
+    """Fails a test that leaves threads of this repository's code running (given two seconds
+    to end): a thread left behind keeps running into later tests, and into the interpreter's
+    exit."""
     import threading
     import time
 
-    before = set(threading.enumerate())
+    def ours() -> set[threading.Thread]:
+        return {
+            t
+            for t in threading.enumerate()
+            if (getattr(getattr(t, "_target", None), "__module__", None) or "").split(".")[0]
+            in OURS
+        }
+
+    before = ours()
     yield
     deadline = time.monotonic() + 2.0
-    for thread in set(threading.enumerate()) - before:
+    for thread in ours() - before:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
-    left = sorted(t.name for t in set(threading.enumerate()) - before if t.is_alive())
+    left = sorted(t.name for t in ours() - before if t.is_alive())
     assert not left, f"threads still running after the test: {left}"
