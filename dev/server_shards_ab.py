@@ -17,7 +17,7 @@ import shmvec.rollouts.server_client as server_client
 from shmvec.testing.tiny_llm import tiny_llm
 from shmvec.testing.vllm_server import VLLMServer
 from shmvec_bench.rollouts.runner import measure
-from shmvec_bench.rollouts.server import ServerConfig, server_pids
+from shmvec_bench.rollouts.server import ServerConfig
 
 
 def main() -> None:
@@ -33,11 +33,10 @@ def main() -> None:
     server.start()
     try:
         server.wait_ready()
-        assert server.proc is not None
         os.sched_setaffinity(0, {1})
         config = ServerConfig(
             server.base_url, "tiny", AutoTokenizer.from_pretrained(str(model)), 16,
-            server_pids=tuple(server_pids(server.proc.pid)),
+            server_pids=tuple(server.pids()),
         )  # fmt: skip
         shards = server_client.SHARD_CONNECTIONS
         for r in range(args.rounds):

@@ -22,7 +22,7 @@ from llm_servers import FakeServer  # noqa: E402
 
 from shmvec_bench.rollouts.cli import main  # noqa: E402
 from shmvec_bench.rollouts.runner import measure  # noqa: E402
-from shmvec_bench.rollouts.server import ServerConfig, parse_sums, pick, server_pids  # noqa: E402
+from shmvec_bench.rollouts.server import ServerConfig, parse_sums, pick  # noqa: E402
 from shmvec_bench.rollouts.workloads import WORKLOADS  # noqa: E402
 
 RUNNERS = ("shmvec", "skyrl-asyncio", "roll-threads")
@@ -137,7 +137,7 @@ def test_the_server_policy_needs_a_server():
 def test_runners_against_real_vllm(vllm_server, tiny_tokenizer):
     """One short run of shmvec and the asyncio runner against vLLM-CPU: the server's own
     gauges show it busy, and every trajectory ends as its game ends it."""
-    pids = tuple(server_pids(vllm_server.proc.pid))
+    pids = tuple(vllm_server.pids())
     config = ServerConfig(vllm_server.base_url, "tiny", tiny_tokenizer, 8, server_pids=pids)
     for backend in ("shmvec", "skyrl-asyncio"):
         m = measure(

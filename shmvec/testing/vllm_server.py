@@ -107,21 +107,21 @@ class VLLMServer:
             time.sleep(1.0)
         raise TimeoutError(f"vLLM did not answer within {timeout_s} s; see {self.log_path}")
 
+    def pids(self) -> list[int]:
+        """The running processes of the server's group: the server, its engine, its workers."""
+        return group_pids(self.proc.pid) if self.proc is not None else []
+
     def _group_shm(self) -> set[str]:
         """The /dev/shm files that the server's process group has mapped."""
-        if self.proc is None:
-            return set()
         found = set()
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        for pid in self.pids():
             try:
-                if os.getpgid(int(pid)) != self.proc.pid:
-                    continue
                 with open(f"/proc/{pid}/maps") as maps:
                     for line in maps:
                         path = line.split(maxsplit=5)[-1].strip()
                         if path.startswith("/dev/shm/"):
                             found.add(path.removesuffix(" (deleted)"))
-            except (OSError, ValueError):
+            except OSError:
                 continue
         return found
 
@@ -155,7 +155,7 @@ class VLLMServer:
                 if sig == signal.SIGTERM:
                     proc.send_signal(sig)
                 else:  # all but the resource tracker, which then unlinks what they made
-                    for pid in _group(group, trackers=False):
+                    for pid in group_pids(group, trackers=False):
                         os.kill(pid, sig)
                 proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -164,7 +164,7 @@ class VLLMServer:
         except ProcessLookupError:
             pass
         deadline = time.monotonic() + timeout_s
-        while _group_alive(group) and time.monotonic() < deadline:
+        while group_pids(group) and time.monotonic() < deadline:
             time.sleep(0.1)  # the engine and the tracker end after the server
         try:  # whatever of the group is left
             os.killpg(group, signal.SIGKILL)
@@ -172,12 +172,7 @@ class VLLMServer:
             pass
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs (zombies do not count)."""
-    return bool(_group(pgid))
-
-
-def _group(pgid: int, trackers: bool = True) -> list[int]:
+def group_pids(pgid: int, trackers: bool = True) -> list[int]:
     """The running processes of group ``pgid`` (without multiprocessing's resource trackers
     unless ``trackers``)."""
     found = []
@@ -197,4 +192,4 @@ def _group(pgid: int, trackers: bool = True) -> list[int]:
     return found
 
 
-__all__ = ["VLLMServer", "free_port"]
+__all__ = ["VLLMServer", "free_port", "group_pids"]

@@ -25,7 +25,7 @@ from shmvec_bench.rollouts.backends import REGISTRY
 from shmvec_bench.rollouts.policies import POLICIES, policy_available
 from shmvec_bench.rollouts.report import markdown_table, server_table, write_csv, write_plot
 from shmvec_bench.rollouts.runner import measure, median_row
-from shmvec_bench.rollouts.server import ServerConfig, server_pids
+from shmvec_bench.rollouts.server import ServerConfig
 from shmvec_bench.rollouts.workloads import WORKLOADS
 
 BACKENDS = list(REGISTRY)
@@ -212,10 +212,9 @@ def open_server(args: argparse.Namespace) -> Iterator[ServerConfig]:
     server.start()
     try:
         server.wait_ready()
-        assert server.proc is not None
         yield ServerConfig(
             server.base_url, "tiny", AutoTokenizer.from_pretrained(str(model)), args.max_tokens,
-            server_pids=tuple(server_pids(server.proc.pid)),
+            server_pids=tuple(server.pids()),
         )  # fmt: skip
     finally:
         server.stop()

@@ -365,17 +365,3 @@ class Conversation:
         started = time.monotonic()
         reply = await post_completions(client, self.server_run.body(prompt))
         return self._keep(prompt, env_start, messages, reply, started)
-
-
-def server_pids(pgid: int) -> list[int]:
-    """The pids of process group ``pgid`` (a server started with a process group of its own)."""
-    import os
-
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getpgid(int(entry)) == pgid:
-                pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
