@@ -10,9 +10,12 @@ which envs wait: a guess from timing a few steps misjudged CPU-bound envs on a
 busy machine (docs/design/heuristics.md).
 
 Threads, not processes: a waiting env needs somewhere to wait, not a core. A
-worker's env threads share one GIL and run on one CPU (worker ``k``: the
-``k``-th CPU it may use), so each GIL hand-off is a switch on that CPU; once
-the worker has child processes (checked every ``CHILD_CHECK_S``; a pinned
+worker's env threads share one GIL; while other processes leave the worker's
+CPU (worker ``k``: the ``k``-th CPU it may use) quiet, they run on it alone, so
+each GIL hand-off is a switch on that CPU, and while others keep it busy they
+run on every CPU (``CpuNeighbours``, checked every ``CHILD_CHECK_S``: an
+inference server's threads bound to that CPU held placed threads off it for
+seconds). Once the worker has child processes (checked as often; a pinned
 worker also every ``CHILD_CHECK_ROUNDS`` rounds) they and the threads go back
 to every CPU for good. Measurements: docs/design/heuristics.md.
 
@@ -55,6 +58,12 @@ WAIT_POLL_S = 0.1
 # While a worker's env threads are placed on one CPU, it looks for child
 # processes this often (reading /proc/self/task/*/children: ~10 us a thread).
 CHILD_CHECK_S = 1.0
+# A worker's env threads move to its CPU once other processes have used at most
+# NEIGHBOUR_SHARE of it in NEIGHBOUR_CHECKS intervals of NEIGHBOUR_CHECK_S in a
+# row, and back to every CPU once they have used more as many times.
+NEIGHBOUR_SHARE = 0.5
+NEIGHBOUR_CHECK_S = 1.0
+NEIGHBOUR_CHECKS = 2
 # A result of EnvThreadPool.map not in yet.
 PENDING = object()
 # Serial rounds with no limit.
@@ -66,21 +75,25 @@ RETIRE = object()
 
 class EnvThreadPool:
     """Daemon threads that run tasks from one queue (started as needed), on
-    the CPUs ``place`` gives them."""
+    the CPUs ``place`` gives them. ``place`` and ``grow`` are called from one
+    thread (the worker's)."""
 
     def __init__(self, everywhere: set[int]) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._everywhere = everywhere  # the CPUs the process may use
         self._cpus: set[int] | None = None  # None: everywhere
-        self._placement = 0  # bumped by place(); each thread compares its own
+        self._placing = threading.Lock()  # a new thread places itself apart from place()
 
     def place(self, cpus: set[int] | None) -> None:
-        """Runs the threads on ``cpus`` (None: wherever the process may run),
-        each from its next task on."""
-        if cpus != self._cpus:
-            self._cpus = cpus
-            self._placement += 1
+        """Runs the threads on ``cpus`` (None: wherever the process may run) from
+        now on, a thread that waits for its CPU too."""
+        with self._placing:
+            if cpus != self._cpus:
+                self._cpus = cpus
+                for thread in list(self._threads):
+                    if thread.native_id is not None:
+                        _set_cpus(thread.native_id, cpus or self._everywhere)
 
     @property
     def size(self) -> int:
@@ -98,15 +111,10 @@ class EnvThreadPool:
         self._tasks.put(task)
 
     def _serve(self) -> None:
-        placement = 0
+        with self._placing:
+            _set_cpus(0, self._cpus or self._everywhere)
         while True:
             task = self._tasks.get()
-            if placement != self._placement:
-                placement = self._placement
-                try:
-                    os.sched_setaffinity(0, self._cpus or self._everywhere)
-                except OSError:
-                    pass  # a CPU taken away meanwhile: it stays where it is
             try:
                 if task() is RETIRE:
                     self._threads.remove(threading.current_thread())
@@ -188,6 +196,47 @@ class RunningEnvs:
         self.current_env[0] = self._first + oldest + 1
 
 
+class CpuNeighbours:
+    """How busy processes other than this one keep one CPU: the CPU's busy time in
+    ``/proc/stat`` (steal included) less this process's CPU time, as a share of
+    each interval. This process's threads may have run elsewhere too, so the
+    share errs low."""
+
+    def __init__(self, cpu: int) -> None:
+        self.cpu = cpu
+        self._prefix = f"cpu{cpu} ".encode()
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float, float] | None:
+        """(now, the CPU's busy seconds, this process's CPU seconds), or None if
+        ``/proc/stat`` does not say."""
+        try:
+            with open("/proc/stat", "rb") as stat:
+                line = next((ln for ln in stat if ln.startswith(self._prefix)), None)
+        except OSError:
+            return None
+        if line is None:
+            return None
+        ticks = [int(x) for x in line.split()[1:9]]
+        busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+        return time.monotonic(), busy / _CLOCK_TICKS, time.process_time()
+
+    def share(self, interval_s: float) -> float | None:
+        """Others' share of the CPU since the last reading, once ``interval_s``
+        has passed since it (then a new interval starts); else None."""
+        last = self._last
+        if last is None or time.monotonic() - last[0] < interval_s:
+            return None
+        now = self._last = self._read()
+        if now is None:
+            return None
+        wall = now[0] - last[0]
+        return ((now[1] - last[1]) - (now[2] - last[2])) / wall
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
 class ConcurrentEnvs:
     """One worker's choice between its serial loop and threads.
 
@@ -232,6 +281,12 @@ class ConcurrentEnvs:
         # step_deadline, for envs in threads (see watch_deadline).
         self._deadline_ns: int | None = None
         self._replace_env: Callable[[int, bool], tuple] | None = None
+        # Env threads go to _cpu while other processes leave it quiet (see _follow_neighbours).
+        self._neighbours = (
+            CpuNeighbours(self._cpu) if self._cpu is not None and self.threads > 1 else None
+        )
+        self._placed = False
+        self._checks_against = 0  # checks in a row that disagreed with _placed
         self._publish_threads()
         if self.threads > 1:
             self._start_threads()
@@ -263,20 +318,20 @@ class ConcurrentEnvs:
 
     def _start_threads(self) -> None:
         self.pool.grow(self.threads)
-        self._check_children()  # before any thread is placed
-        if self._cpu is not None:
-            self.pool.place({self._cpu})
+        self._check_children()
 
     def _check_children(self) -> None:
         """Unplaces the env threads (and unpins this thread) for good, and frees
         the CPU of the children placed with them, once this process has child
-        processes. Called from the thread that steps serially."""
+        processes; else places or unplaces the env threads as other processes
+        use their CPU. Called from the thread that steps serially."""
         now = time.monotonic()
         if self._cpu is None or now < self._next_child_check:
             return
         self._next_child_check = now + CHILD_CHECK_S
         children = _child_pids()
         if not children:
+            self._follow_neighbours()
             return
         self._cpu = None
         self.pool.place(None)
@@ -291,6 +346,22 @@ class ConcurrentEnvs:
                 os.sched_setaffinity(pid, self._everywhere)
             except OSError:
                 pass  # gone already
+
+    def _follow_neighbours(self) -> None:
+        """Env threads on every CPU at first; on ``_cpu`` once other processes have
+        used at most ``NEIGHBOUR_SHARE`` of it in ``NEIGHBOUR_CHECKS`` intervals in a
+        row, and back on every CPU once they have used more as many times (a pinned
+        serial worker is left alone)."""
+        if self._neighbours is None or self._cpu is None:
+            return
+        share = self._neighbours.share(NEIGHBOUR_CHECK_S)
+        if share is None:
+            return
+        quiet = share <= NEIGHBOUR_SHARE
+        self._checks_against = 0 if quiet == self._placed else self._checks_against + 1
+        if self._checks_against >= NEIGHBOUR_CHECKS:
+            self._placed, self._checks_against = quiet, 0
+            self.pool.place({self._cpu} if quiet else None)
 
     # ----------------------------------------------------------- sync mode
 
@@ -473,6 +544,14 @@ class ConcurrentEnvs:
             time.sleep(0.0005)
             if self._deadline_ns is not None:
                 self.check_deadlines()  # an env stuck for ever is abandoned, not waited for
+
+
+def _set_cpus(tid: int, cpus: set[int]) -> None:
+    """Runs thread ``tid`` of this process (0: the calling one) on ``cpus``."""
+    try:
+        os.sched_setaffinity(tid, cpus)
+    except OSError:
+        pass  # the thread ended, or a CPU was taken away: it stays where it is
 
 
 def _can_find_children() -> bool:

@@ -7,10 +7,13 @@ with gymnasium's SyncVectorEnv.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.sharedctypes
 import os
 import random
 import signal
 import subprocess
+import sys
 import time
 
 import gymnasium as gym
@@ -21,7 +24,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import assert_same
 
 from shmvec import ShmVectorEnv, WorkerDiedError, concurrent_envs
-from shmvec.concurrent_envs import CHILD_CHECK_ROUNDS, EnvThreadPool
+from shmvec.concurrent_envs import CHILD_CHECK_ROUNDS, CpuNeighbours, EnvThreadPool
 
 
 class WaitingEnv(gym.Env):
@@ -213,42 +216,98 @@ def step_in_threads(envs) -> dict:
     return envs.step(np.zeros(envs.num_envs, dtype=np.int64))[4]
 
 
+def neighbours_say(monkeypatch) -> multiprocessing.sharedctypes.Synchronized:
+    """A flag that stands for what every worker's ``CpuNeighbours`` reads of its CPU
+    (0: other processes leave it quiet; 1: they keep it busy), checked at every
+    command. Workers must fork from this process to see it."""
+    crowded = multiprocessing.get_context("fork").Value("b", 0)
+    monkeypatch.setattr(concurrent_envs, "CHILD_CHECK_S", 0.0)
+    monkeypatch.setattr(CpuNeighbours, "share", lambda self, interval_s: float(crowded.value))
+    return crowded
+
+
+def step_until(envs, done, seconds: float = 30.0) -> dict:
+    """Steps in threads until ``done(infos)``; the last infos."""
+    deadline = time.monotonic() + seconds
+    while True:
+        infos = step_in_threads(envs)
+        if done(infos) or time.monotonic() > deadline:
+            return infos
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-def test_each_workers_env_threads_share_one_cpu():
+def test_env_threads_share_their_workers_cpu_while_other_processes_leave_it_quiet(monkeypatch):
+    crowded = neighbours_say(monkeypatch)
     everywhere = sorted(os.sched_getaffinity(0))
     envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(4)], num_workers=2,
-                        env_concurrency=2)  # fmt: skip
+                        env_concurrency=2, context="fork")  # fmt: skip
     try:
+        # Other processes keep the CPUs busy from the start: every CPU.
+        crowded.value = 1
         envs.reset(seed=0)
-        infos = step_in_threads(envs)
+        for _ in range(concurrent_envs.NEIGHBOUR_CHECKS + 2):
+            assert step_in_threads(envs)["cpus"].tolist() == [len(everywhere)] * 4
+        # They leave them quiet: on one after NEIGHBOUR_CHECKS quiet checks.
+        crowded.value = 0
+        infos = step_until(envs, lambda infos: (infos["cpus"] == 1).all())
         assert infos["cpus"].tolist() == [1, 1, 1, 1]
         # worker k (envs 2k, 2k+1): the k-th CPU the process may use
         assert infos["first_cpu"].tolist() == [everywhere[0]] * 2 + [everywhere[1]] * 2
+        # Other processes keep the CPUs busy: back on every CPU, and placed again
+        # once they leave them quiet.
+        crowded.value = 1
+        infos = step_until(envs, lambda infos: (infos["cpus"] > 1).all())
+        assert infos["cpus"].tolist() == [len(everywhere)] * 4
+        crowded.value = 0
+        assert (step_until(envs, lambda infos: (infos["cpus"] == 1).all())["cpus"] == 1).all()
     finally:
         envs.close()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
 def test_a_worker_whose_envs_start_processes_runs_them_everywhere(monkeypatch):
-    # Workers fork from this process, so they see the shorter check interval.
-    monkeypatch.setattr(concurrent_envs, "CHILD_CHECK_S", 0.0)
+    neighbours_say(monkeypatch)  # quiet CPUs
     everywhere = len(os.sched_getaffinity(0))
     envs = ShmVectorEnv([lambda i=i: PlacedEnv(i) for i in range(4)], num_workers=2,
                         env_concurrency=2, context="fork")  # fmt: skip
     try:
         envs.reset(seed=0)
-        assert step_in_threads(envs)["cpus"].tolist() == [1, 1, 1, 1]
+        infos = step_until(envs, lambda infos: (infos["cpus"] == 1).all())
+        assert infos["cpus"].tolist() == [1, 1, 1, 1]
         # Worker 0's envs start sandboxes from their placed threads: the
         # children start on the one CPU, and the next round's check frees them
-        # and the threads. Worker 1's envs start none: its threads stay placed.
+        # and the threads for good. Worker 1's envs start none: its threads stay.
         envs.set_attr("spawn", [True, True, False, False])
         actions = np.zeros(4, dtype=np.int64)
         assert envs.step(actions)[4]["child_cpus"][:2].tolist() == [1, 1]
-        infos = envs.step(actions)[4]
-        assert infos["cpus"].tolist() == [everywhere, everywhere, 1, 1]
-        assert infos["child_cpus"][:2].tolist() == [everywhere, everywhere]
+        for _ in range(concurrent_envs.NEIGHBOUR_CHECKS + 2):
+            infos = envs.step(actions)[4]
+            assert infos["cpus"].tolist() == [everywhere, everywhere, 1, 1]
+            assert infos["child_cpus"][:2].tolist() == [everywhere, everywhere]
     finally:
         envs.close()
+
+
+def busy_on(cpu: int) -> subprocess.Popen:
+    """A process that computes on ``cpu`` alone until killed (a neighbour bound there)."""
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass"
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_cpu_neighbours_counts_another_process_busy_on_the_cpu():
+    cpu = min(os.sched_getaffinity(0))
+    neighbours = CpuNeighbours(cpu)
+    assert neighbours.share(60.0) is None  # the interval has not passed
+    hog = busy_on(cpu)
+    try:
+        time.sleep(0.1)  # the hog runs
+        neighbours.share(0.0)  # a new interval starts
+        time.sleep(0.5)
+        share = neighbours.share(0.5)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert share is not None and share > concurrent_envs.NEIGHBOUR_SHARE
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
