@@ -55,8 +55,9 @@ CHILD_CHECK_ROUNDS = 256
 # env not done yet this often (for env_timeout's message; the timeout itself
 # is the main process's).
 WAIT_POLL_S = 0.1
-# While a worker's env threads are placed on one CPU, it looks for child
-# processes this often (reading /proc/self/task/*/children: ~10 us a thread).
+# A worker that may place its env threads on its CPU looks for child processes
+# (reading /proc/self/task/*/children: ~10 us a thread) and at its CPU's other
+# users (one line of /proc/stat) this often.
 CHILD_CHECK_S = 1.0
 # A worker's env threads move to its CPU once other processes have used at most
 # NEIGHBOUR_SHARE of it in NEIGHBOUR_CHECKS intervals of NEIGHBOUR_CHECK_S in a
