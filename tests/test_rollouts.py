@@ -253,6 +253,41 @@ def test_per_row_async_policy_with_extras_and_a_concurrency_limit():
         envs.close()
 
 
+def test_closing_lets_cancelled_calls_unwind_and_closes_their_async_generators():
+    # Calls in flight at close are cancelled; their cleanup takes several turns of the
+    # event loop, and one is inside an async generator (as an HTTP stream is).
+    started, unwound, generators_closed = threading.Event(), [], []
+
+    async def stream():
+        try:
+            while True:
+                yield
+                await asyncio.sleep(3600)
+        finally:
+            generators_closed.append(1)
+
+    async def policy(row):
+        started.set()
+        try:
+            async for _ in stream():
+                pass
+        finally:
+            for _ in range(5):
+                await asyncio.sleep(0)
+            unwound.append(row.env_id)
+
+    envs = make_envs(n=8, batch_size=2)
+    try:
+        rollouts = Rollouts(envs, AsyncPolicy(policy, concurrency=8), group_size=2)
+        rollouts.submit(seeds=list(range(4)))
+        assert started.wait(30)
+        time.sleep(0.2)  # more rows reach the policy
+        rollouts.close()
+        assert unwound and len(generators_closed) == len(unwound)
+    finally:
+        envs.close()
+
+
 def test_extras_and_versions_are_carried():
     def policy(batch):
         actions = obs_policy(batch)

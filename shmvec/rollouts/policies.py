@@ -36,6 +36,9 @@ from shmvec.rollouts.records import (
 )
 from shmvec.rollouts.rows import join_batches, rows_of
 
+#: How long closing a per-row policy's runner waits for its cancelled calls to unwind.
+UNWIND_S = 5.0
+
 
 class AsyncPolicy:
     """A per-row policy: ``await fn(row)`` for each :class:`PolicyRow`, returning
@@ -211,10 +214,16 @@ class AsyncPolicyRunner(PolicyRunner):
         self.loop.call_soon_threadsafe(stop)
         self.thread.join(timeout=5)
         if not self.thread.is_alive():
-            # let the cancelled calls unwind, so that none is destroyed while pending
-            self.loop.run_until_complete(asyncio.sleep(0))
-            self.loop.run_until_complete(self.policy.aclose())
-            self.loop.close()
+            loop = self.loop
+            # As asyncio.run ends: the cancelled calls unwind (their cleanup may take
+            # several turns of the loop), so that none is destroyed while pending, and
+            # async generators left open are closed on this loop, not by the collector.
+            pending = asyncio.all_tasks(loop)
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=UNWIND_S))
+            loop.run_until_complete(self.policy.aclose())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
 
 class BatchedPolicyRunner(PolicyRunner):
