@@ -11,7 +11,8 @@ the policy's coroutine starts (``ServerPolicy.act``) -> its request is sent and 
 (``PolicyRunner.take``) -> sends it to the env (``Loop._send``) -> the env's next result is
 received (``env``: the worker's turn, the tool wait, the ring; a trajectory's reset counts as
 one). Prints each segment's
-mean, p50 and p99 in milliseconds, and the runs' groups/s and requests/s.
+mean, p50 and p99 in milliseconds, the runs' groups/s and requests/s, and the client's
+CPU per request by thread (this process's, by name) and in the env workers.
 
 Variants (``--variant``, alternated over ``--rounds``) change one setting of the vector env
 (see ``VARIANTS``).
@@ -194,6 +195,70 @@ def watch(server_pids: set[int], stop: threading.Event, every_s: float = 5.0) ->
             continue
 
 
+def thread_cpu_s() -> dict[int, tuple[str, float]]:
+    """CPU seconds of this process's threads by thread id, with their Python names (threads
+    that Python did not start: their kernel names), digits dropped so that pools add up."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    cpu: dict[int, tuple[str, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                head, _, rest = fh.read().rpartition(")")
+        except OSError:
+            continue
+        f = rest.split()
+        name = names.get(int(tid)) or "native " + head.split("(", 1)[1]
+        name = "".join(c for c in name if not c.isdigit()).rstrip("-_ ")
+        cpu[int(tid)] = (name, (int(f[11]) + int(f[12])) / tick)
+    return cpu
+
+
+def account(stop: threading.Event, server_pids: set[int]) -> None:
+    """Prints, when ``stop`` is set, each thread's CPU and the env workers' per request of the
+    window in which it ran."""
+    from placement_probe import sample
+
+    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
+
+    def workers() -> list[int]:
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in server_pids:
+                try:
+                    with open(f"/proc/{entry}/stat") as fh:
+                        if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
+                            pids.append(int(entry))
+                except OSError:
+                    pass
+        return pids
+
+    while not stop.wait(0.2) and not workers():
+        pass
+    pids = workers()
+
+    def reading():
+        return sample(pids), thread_cpu_s(), len(TRACE.spans["request"])
+
+    first = last = reading()
+    threads = dict(first[1])  # every thread seen, at its last reading
+    while not stop.wait(1.0):  # readings until the workers exit
+        try:
+            last = reading()
+        except (OSError, KeyError):
+            break
+        threads.update(last[1])
+    done = max(last[2] - first[2], 1)
+    parts: dict[str, float] = defaultdict(float)
+    for tid, (name, seconds) in threads.items():
+        parts[name] += seconds - first[1].get(tid, (name, 0.0))[1]
+    parts["env workers"] = sum(last[0].worker_cpu[p] - first[0].worker_cpu[p] for p in pids) / tick
+    print(f"  client CPU per request over {done} requests (ms):", flush=True)
+    for name, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+        if seconds > 0:
+            print(f"    {name:28s} {seconds / done * 1e3:7.3f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-envs", type=int, default=256)
@@ -237,6 +302,8 @@ def main() -> None:
                 stop = threading.Event()
                 watcher = threading.Thread(target=watch, args=(set(server_.pids()), stop))
                 watcher.start()
+                accountant = threading.Thread(target=account, args=(stop, set(server_.pids())))
+                accountant.start()
                 m = measure(
                     "tool", "shmvec", "server", num_envs=args.num_envs, group_size=8,
                     seconds=args.seconds, timeout=400, max_lag=None, server=config, seed=r,
@@ -252,6 +319,7 @@ def main() -> None:
                 )
                 stop.set()
                 watcher.join()
+                accountant.join()
                 print(TRACE.report(), flush=True)
     finally:
         server_.stop()
