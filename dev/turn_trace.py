@@ -30,6 +30,7 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
+import openai
 
 from shmvec import concurrent_envs, worker
 
@@ -47,13 +48,15 @@ SEGMENTS = ("recv->ask", "ask->act", "act->request", "request", "request->answer
             "answer->take", "take->send", "env")  # fmt: skip
 
 #: name -> (how the workers place their env threads: "rule" as shmvec does, "always" (on one
-#: CPU each whoever else uses it) or "never"; ``measure``'s arguments). The workers fork, so
-#: that the choice made here reaches them.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "default": ("rule", {}),
-    "placed": ("always", {}),
-    "unplaced": ("never", {}),
-    "batch4": ("rule", {"batch_size": 4}),
+#: CPU each whoever else uses it) or "never"; ``measure``'s arguments; the HTTP transport
+#: under ``ServerPolicy``'s ``openai`` clients: "aiohttp" as shmvec has it, or "httpx"). The
+#: workers fork, so that the choice made here reaches them.
+VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "default": ("rule", {}, "aiohttp"),
+    "placed": ("always", {}, "aiohttp"),
+    "unplaced": ("never", {}, "aiohttp"),
+    "batch4": ("rule", {"batch_size": 4}, "aiohttp"),
+    "httpx": ("rule", {}, "httpx"),
 }
 
 
@@ -271,6 +274,7 @@ def main() -> None:
 
     install()
     place_cpu, share = worker._worker_cpu, concurrent_envs.NEIGHBOUR_SHARE
+    aiohttp_client = openai.DefaultAioHttpClient
     model = tiny_llm()
     cpus = None if args.server_cpus is None else {int(c) for c in args.server_cpus.split(",")}
     server_ = VLLMServer(str(model), max_model_len=2048, cpus=cpus)
@@ -295,7 +299,10 @@ def main() -> None:
         )  # fmt: skip
         for r in range(args.rounds):
             for name in args.variant or ["default"]:
-                placement, knobs = VARIANTS[name]
+                placement, knobs, transport = VARIANTS[name]
+                openai.DefaultAioHttpClient = (
+                    aiohttp_client if transport == "aiohttp" else openai.DefaultAsyncHttpxClient
+                )
                 worker._worker_cpu = place_cpu if placement != "never" else lambda index: None
                 concurrent_envs.NEIGHBOUR_SHARE = share if placement == "rule" else float("inf")
                 TRACE.__init__()
