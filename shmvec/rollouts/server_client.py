@@ -217,9 +217,9 @@ def make_client(base_url: str, api_key: str, connections: int, retry: Retry) -> 
     """An ``openai.AsyncOpenAI`` whose connection pool holds ``connections`` connections (the
     default holds 100 kept alive, which thousands of requests queue behind), with no retry of
     its own (the policy retries) and ``retry``'s timeouts, over ``openai``'s aiohttp transport
-    (``openai[aiohttp]``): 0.71-0.73 ms of the client's CPU per request against 0.99-1.07 ms
-    over httpx's own (a local server answering in 0.5 s, 256 requests in flight over 8 clients,
-    2 alternated rounds of 15 s; 2-vCPU VM, 2026-11-27). Its errors come as httpx's."""
+    (``openai[aiohttp]``): beside vLLM-CPU with 256 envs, 2.56-2.57 ms of the client's CPU per
+    request against 3.14-3.17 ms over httpx's own (``dev/turn_trace.py``, 2 alternated rounds;
+    2-vCPU VM, 2026-11-27). Its errors come as httpx's."""
     import openai
 
     limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
