@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shmvec import ShmVectorEnv, concurrent_envs, worker
+from shmvec_bench.rss import cpu_s
 from shmvec_bench.workloads import WORKLOADS
 
 
@@ -32,7 +33,7 @@ from shmvec_bench.workloads import WORKLOADS
 class CpuSample:
     at: float
     cpu_busy: list[int]  # per CPU, clock ticks not idle
-    worker_cpu: dict[int, int]  # pid -> ticks
+    worker_cpu: dict[int, float]  # pid -> CPU seconds
     run_delay_ns: dict[int, int]  # pid -> sum over its threads
 
 
@@ -45,9 +46,7 @@ def sample(pids: list[int]) -> CpuSample:
                 busy.append(sum(f[:8]) - f[3] - f[4])  # all but idle and iowait
     cpu, delay = {}, {}
     for pid in pids:
-        with open(f"/proc/{pid}/stat") as fh:
-            f = fh.read().rsplit(")", 1)[1].split()
-        cpu[pid] = int(f[11]) + int(f[12])
+        cpu[pid] = cpu_s(pid)
         total = 0
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
@@ -62,7 +61,7 @@ def sample(pids: list[int]) -> CpuSample:
 def describe(a: CpuSample, b: CpuSample) -> str:
     wall, tick = b.at - a.at, os.sysconf("SC_CLK_TCK")
     busy = [(y - x) / tick / wall for x, y in zip(a.cpu_busy, b.cpu_busy)]
-    workers = [(b.worker_cpu[p] - a.worker_cpu[p]) / tick / wall for p in a.worker_cpu]
+    workers = [(b.worker_cpu[p] - a.worker_cpu[p]) / wall for p in a.worker_cpu]
     waiting = [(b.run_delay_ns[p] - a.run_delay_ns[p]) / 1e9 / wall for p in a.run_delay_ns]
     return (
         f"CPU busy {' '.join(f'{x:.0%}' for x in busy)}, workers' CPU "

@@ -41,6 +41,7 @@ from shmvec.testing.tiny_llm import tiny_llm
 from shmvec.testing.vllm_server import VLLMServer
 from shmvec_bench.rollouts.runner import measure
 from shmvec_bench.rollouts.server import ServerConfig
+from shmvec_bench.rss import descendants
 
 #: Spans longer than this are listed with their start (since the run's start) and env.
 SLOW_S = 2.0
@@ -176,20 +177,19 @@ def install() -> None:
     policy_cls._request = _request
 
 
+def env_workers(server_pids: set[int]) -> list[int]:
+    """This process's descendants that are not the server's: the env workers."""
+    return [pid for pid in descendants(os.getpid()) if pid not in server_pids]
+
+
 def watch(server_pids: set[int], stop: threading.Event, every_s: float = 5.0) -> None:
     """Prints, every ``every_s``, what ``dev/placement_probe.py``'s sample shows of the env
-    workers (this process's children that are not the server's)."""
+    workers (this process's descendants that are not the server's)."""
     from placement_probe import describe, sample
 
     while not stop.wait(0.5):
         try:
-            me = os.getpid()
-            pids = []
-            for entry in os.listdir("/proc"):
-                if entry.isdigit() and int(entry) not in server_pids:
-                    with open(f"/proc/{entry}/stat") as fh:
-                        if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
-                            pids.append(int(entry))
+            pids = env_workers(server_pids)
             first = sample(pids)
             if stop.wait(every_s):
                 return
@@ -222,23 +222,9 @@ def account(stop: threading.Event, server_pids: set[int]) -> None:
     window in which it ran."""
     from placement_probe import sample
 
-    me, tick = os.getpid(), os.sysconf("SC_CLK_TCK")
-
-    def workers() -> list[int]:
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) not in server_pids:
-                try:
-                    with open(f"/proc/{entry}/stat") as fh:
-                        if int(fh.read().rsplit(")", 1)[1].split()[1]) == me:
-                            pids.append(int(entry))
-                except OSError:
-                    pass
-        return pids
-
-    while not stop.wait(0.2) and not workers():
+    while not stop.wait(0.2) and not env_workers(server_pids):
         pass
-    pids = workers()
+    pids = env_workers(server_pids)
 
     def reading():
         return sample(pids), thread_cpu_s(), len(TRACE.spans["request"])
@@ -255,7 +241,7 @@ def account(stop: threading.Event, server_pids: set[int]) -> None:
     parts: dict[str, float] = defaultdict(float)
     for tid, (name, seconds) in threads.items():
         parts[name] += seconds - first[1].get(tid, (name, 0.0))[1]
-    parts["env workers"] = sum(last[0].worker_cpu[p] - first[0].worker_cpu[p] for p in pids) / tick
+    parts["env workers"] = sum(last[0].worker_cpu[p] - first[0].worker_cpu[p] for p in pids)
     print(f"  client CPU per request over {done} requests (ms):", flush=True)
     for name, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
         if seconds > 0:

@@ -49,7 +49,7 @@ import numpy as np
 from shmvec.spin import NO_SPIN, Spin
 
 # A pinned worker that steps serially looks for child processes at least every
-# this many rounds (see _check_children).
+# this many rounds (see _check_placement).
 CHILD_CHECK_ROUNDS = 256
 # While threads step a sync round, the worker's main thread names the first
 # env not done yet this often (for env_timeout's message; the timeout itself
@@ -204,7 +204,6 @@ class CpuNeighbours:
     share errs low."""
 
     def __init__(self, cpu: int) -> None:
-        self.cpu = cpu
         self._prefix = f"cpu{cpu} ".encode()
         self._last = self._read()
 
@@ -258,7 +257,7 @@ class ConcurrentEnvs:
         self._next_child_check = 0.0
         self._everywhere = os.sched_getaffinity(0)
         # The calling thread (the one that steps serially) runs on _cpu alone,
-        # unless its envs started processes already (see _check_children).
+        # unless its envs started processes already (see _check_placement).
         self._pinned = pin and self._cpu is not None and not _child_pids()
         if self._pinned and self._cpu is not None:
             try:
@@ -309,7 +308,7 @@ class ConcurrentEnvs:
     def before_wait(self) -> None:
         """Called before every wait for work (sync and async mode)."""
         if self._pinned:
-            self._check_children()
+            self._check_placement()
         if self._deadline_ns is not None:
             self.check_deadlines()
 
@@ -319,9 +318,9 @@ class ConcurrentEnvs:
 
     def _start_threads(self) -> None:
         self.pool.grow(self.threads)
-        self._check_children()
+        self._check_placement()
 
-    def _check_children(self) -> None:
+    def _check_placement(self) -> None:
         """Unplaces the env threads (and unpins this thread) for good, and frees
         the CPU of the children placed with them, once this process has child
         processes; else places or unplaces the env threads as other processes
@@ -383,7 +382,7 @@ class ConcurrentEnvs:
         return block.step_block(action_views, obs_views, slot)
 
     def _step_threaded(self, block, action_views: list, obs_views, slot: int) -> tuple:
-        self._check_children()
+        self._check_placement()
         parts = self._parts(block)
 
         def step(i: int) -> tuple:
@@ -459,7 +458,7 @@ class ConcurrentEnvs:
     def _pending_threaded(self, block) -> None:
         """Queues every env with a command that no thread has yet; a thread
         that finishes an env runs it again if a new command came meanwhile."""
-        self._check_children()
+        self._check_placement()
         parts = self._parts(block)
         commands = np.asarray(block.commands)
         running, claimed = self.running, self._claimed
