@@ -35,6 +35,7 @@ part() {  # name, time limit (s), command...: runs under the smaller of the limi
 part tests 75 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_torch.py tests/test_start_method.py \
   "tests/test_bench.py::test_handoff_on_the_cpu"
 part handoff 70 $B --workloads handoff --device cuda --seconds 1 --warmup 0.5 --out "$W/handoff"
+part handoff-ab 80 "$PY" dev/handoff_probe.py --ab --seconds 0.3 --rounds 4
 P=("$PY" examples/ppo_atari.py --num-envs 64 --total-timesteps 32768)
 part ppo-sync 90 "${P[@]}" --vector shmvec,gymnasium-async,envpool
 part ppo-async 50 "${P[@]}" --async-envs --vector shmvec,envpool

@@ -19,7 +19,15 @@ With ``--profile``, instead: torch's profiler over 300 steps of CartPole x64
 through ``TorchVectorEnv`` and through ``from_numpy().to()``, the ops that take
 the main thread's time in each, most first.
 
-    python dev/handoff_probe.py [--seconds S] [--profile]
+With ``--ab``, instead: whole loop steps (a GPU op on the observations, a
+synchronize, the step) alternated in rounds between a plain
+``from_numpy().to()`` of an unpinned env and ways of the bridge's copy on a
+pinned one (as shipped, its span computed once per slot, a blocking copy, one
+copy per array, on the current or its own stream), medians per way; and the
+DMA of a step's span timed with CUDA events right after the workers wrote it
+and again at once, which says whether freshly written memory copies slower.
+
+    python dev/handoff_probe.py [--seconds S] [--profile | --ab]
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import numpy as np
 import torch
 
 import shmvec
-from shmvec.torch import TorchVectorEnv
+from shmvec.torch import SIDE_STREAM_BYTES, TorchVectorEnv
 from shmvec_bench.workloads import WORKLOADS
 
 MIB16 = 16 * 2**20
@@ -245,13 +253,159 @@ def profile(workload: str = "cartpole", num_envs: int = 64, steps: int = 300) ->
         (envs or env).close()
 
 
+def _bridge_ways(envs: TorchVectorEnv) -> dict[str, object]:
+    """Replacements for ``envs._convert``: the ways of copying a step's span."""
+    packer, current = envs._packer, torch.cuda.current_stream()
+    spans: dict[tuple[int, int], object] = {}
+
+    def cached_span(slot, *result):
+        key = (slot, len(result))
+        span = spans.get(key)
+        if span is None:
+            span = spans[key] = packer.span(list(result))
+        converted = packer.copy(span)
+        envs._events[slot].record(current)
+        envs._pending[slot] = True
+        return converted
+
+    def blocking(slot, *result):
+        span = packer.span(list(result))
+        buffer = torch.empty(span.end - span.start, dtype=torch.uint8, device="cuda")
+        buffer.copy_(packer.host[span.start : span.end])
+        out = [
+            buffer[leaf.offset - span.start : leaf.offset - span.start + leaf.nbytes]
+            .view(leaf.dtype)
+            .view(leaf.shape)
+            for leaf in span.layout
+        ]
+        if len(out) > 1:
+            out[1] = out[1].to(envs.reward_dtype)
+        return out
+
+    def per_array(slot, *result):
+        out = [torch.from_numpy(a).to("cuda") for a in result]
+        if len(out) > 1:
+            out[1] = out[1].to(envs.reward_dtype)
+        return out
+
+    shipped = envs._convert
+
+    def own_stream(slot, *result):
+        envs.side_stream_bytes = 0
+        try:
+            return shipped(slot, *result)
+        finally:
+            envs.side_stream_bytes = SIDE_STREAM_BYTES
+
+    def current_stream(slot, *result):
+        envs.side_stream_bytes = 1 << 62
+        try:
+            return shipped(slot, *result)
+        finally:
+            envs.side_stream_bytes = SIDE_STREAM_BYTES
+
+    return {
+        "bridge as shipped": shipped,
+        "bridge, span once per slot": cached_span,
+        "bridge, blocking copy": blocking,
+        "bridge, a copy per array (pinned)": per_array,
+        "bridge, own stream": own_stream,
+        "bridge, current stream": current_stream,
+    }
+
+
+def ab(workload: str, num_envs: int, rounds: int, seconds: float) -> None:
+    """Alternated whole-step timings of the plain copy and the bridge's ways."""
+    from shmvec_bench.handoff import _actions_from
+
+    plain_env = shmvec.ShmVectorEnv([WORKLOADS[workload]] * num_envs, copy=False)
+    env = shmvec.ShmVectorEnv([WORKLOADS[workload]] * num_envs, copy=False)
+    envs = TorchVectorEnv(env, device="cuda")
+    try:
+        n = int(plain_env.single_action_space.n)
+        plain_env.reset(seed=0)
+        plain_result = plain_env.step(np.zeros(num_envs, dtype=np.int64))[:4]
+        obs = envs.reset(seed=0)[0]
+        ways = _bridge_ways(envs)
+        state = {"plain": plain_result, "obs": obs}
+
+        def plain() -> None:
+            on_device = [torch.from_numpy(a).to("cuda") for a in state["plain"]]
+            chosen = _actions_from(torch, on_device[0], n)
+            torch.cuda.synchronize()
+            state["plain"] = plain_env.step(chosen.cpu().numpy())[:4]
+
+        def bridge() -> None:
+            chosen = _actions_from(torch, state["obs"], n)
+            torch.cuda.synchronize()
+            state["obs"] = envs.step(chosen)[0]
+
+        times: dict[str, list[float]] = {"plain from_numpy().to()": [], **{w: [] for w in ways}}
+        for r in range(rounds + 1):  # round 0 warms up and is dropped
+            for way in times:
+                if way in ways:
+                    envs._convert = ways[way]
+                step = plain if way.startswith("plain") else bridge
+                count, start = 0, time.perf_counter()
+                while time.perf_counter() - start < seconds:
+                    step()
+                    count += 1
+                if r:
+                    times[way].append((time.perf_counter() - start) / count * 1e6)
+        envs._convert = ways["bridge as shipped"]
+        base = statistics.median(times["plain from_numpy().to()"])
+        print(f"\n{workload} x{num_envs}: µs per loop step, {rounds} alternated rounds of "
+              f"{seconds} s (median; runs)\n")  # fmt: skip
+        print("| way | µs per step | vs plain | runs |\n|---|---:|---:|---|")
+        for way, runs in times.items():
+            median = statistics.median(runs)
+            cells = ", ".join(f"{t:,.0f}" for t in runs)
+            print(f"| {way} | {median:,.1f} | {base / median:.2f}x | {cells} |")
+
+        # The DMA of a step's span right after the workers wrote it, then again.
+        actions = torch.zeros(num_envs, dtype=torch.int64, device="cuda")
+        fresh, again, steps = [], [], []
+        for _ in range(30):
+            envs._write_actions(actions)
+            t0 = time.perf_counter()
+            result = list(envs._handoff.step_written()[:4])
+            steps.append((time.perf_counter() - t0) * 1e6)
+            span = envs._packer.span(result)
+            host = envs._packer.host[span.start : span.end]
+            device = torch.empty(host.shape, dtype=torch.uint8, device="cuda")
+            for sink in (fresh, again):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                device.copy_(host, non_blocking=True)
+                end.record()
+                end.synchronize()
+                sink.append(start.elapsed_time(end) * 1e3)
+        nbytes = host.numel()
+        first, second = statistics.median(fresh), statistics.median(again)
+        print(f"\nspan of {nbytes:,} bytes: DMA right after the step {first:,.1f} µs "
+              f"({nbytes / first / 1e3:.2f} GB/s), again at once {second:,.1f} µs "
+              f"({nbytes / second / 1e3:.2f} GB/s); the step itself "
+              f"{statistics.median(steps):,.1f} µs (medians of 30)")  # fmt: skip
+    finally:
+        envs.close()
+        plain_env.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--ab", action="store_true")
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     if args.profile:
         profile()
+        return
+    if args.ab:
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        for workload, num_envs in CASES:
+            ab(workload, num_envs, args.rounds, args.seconds)
         return
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| host memory (16 MiB, written by the CPU before each copy) | H2D GB/s |\n|---|---:|")
