@@ -22,8 +22,8 @@ the main thread's time in each, most first.
 With ``--ab``, instead: whole loop steps (a GPU op on the observations, a
 synchronize, the step) alternated in rounds between a plain
 ``from_numpy().to()`` of an unpinned env and ways of the bridge's copy on a
-pinned one (as shipped, its span computed once per slot, a blocking copy, one
-copy per array, on the current or its own stream), medians per way; and the
+pinned one (as shipped; a span copy at every size, blocking, on the current
+or on its own stream), medians per way; and the
 DMA of a step's span timed with CUDA events right after the workers wrote it
 and again at once, which says whether freshly written memory copies slower.
 
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 import shmvec
-from shmvec.torch import SIDE_STREAM_BYTES, TorchVectorEnv
+from shmvec.torch import SIDE_STREAM_BYTES, SMALL_RESULT_BYTES, TorchVectorEnv
 from shmvec_bench.workloads import WORKLOADS
 
 MIB16 = 16 * 2**20
@@ -254,21 +254,21 @@ def profile(workload: str = "cartpole", num_envs: int = 64, steps: int = 300) ->
 
 
 def _bridge_ways(envs: TorchVectorEnv) -> dict[str, object]:
-    """Replacements for ``envs._convert``: the ways of copying a step's span."""
-    packer, current = envs._packer, torch.cuda.current_stream()
-    spans: dict[tuple[int, int], object] = {}
+    """Replacements for ``envs._convert``: the ways of copying a step's results."""
+    packer, shipped = envs._packer, envs._convert
 
-    def cached_span(slot, *result):
-        key = (slot, len(result))
-        span = spans.get(key)
-        if span is None:
-            span = spans[key] = packer.span(list(result))
-        converted = packer.copy(span)
-        envs._events[slot].record(current)
-        envs._pending[slot] = True
-        return converted
+    def settings(small: int, side: int):
+        def convert(slot, *result):
+            envs.small_result_bytes, envs.side_stream_bytes = small, side
+            try:
+                return shipped(slot, *result)
+            finally:
+                envs.small_result_bytes = SMALL_RESULT_BYTES
+                envs.side_stream_bytes = SIDE_STREAM_BYTES
 
-    def blocking(slot, *result):
+        return convert
+
+    def blocking_span(slot, *result):
         span = packer.span(list(result))
         buffer = torch.empty(span.end - span.start, dtype=torch.uint8, device="cuda")
         buffer.copy_(packer.host[span.start : span.end])
@@ -282,35 +282,12 @@ def _bridge_ways(envs: TorchVectorEnv) -> dict[str, object]:
             out[1] = out[1].to(envs.reward_dtype)
         return out
 
-    def per_array(slot, *result):
-        out = [torch.from_numpy(a).to("cuda") for a in result]
-        if len(out) > 1:
-            out[1] = out[1].to(envs.reward_dtype)
-        return out
-
-    shipped = envs._convert
-
-    def own_stream(slot, *result):
-        envs.side_stream_bytes = 0
-        try:
-            return shipped(slot, *result)
-        finally:
-            envs.side_stream_bytes = SIDE_STREAM_BYTES
-
-    def current_stream(slot, *result):
-        envs.side_stream_bytes = 1 << 62
-        try:
-            return shipped(slot, *result)
-        finally:
-            envs.side_stream_bytes = SIDE_STREAM_BYTES
-
     return {
         "bridge as shipped": shipped,
-        "bridge, span once per slot": cached_span,
-        "bridge, blocking copy": blocking,
-        "bridge, a copy per array (pinned)": per_array,
-        "bridge, own stream": own_stream,
-        "bridge, current stream": current_stream,
+        "bridge, span copy at every size": settings(0, SIDE_STREAM_BYTES),
+        "bridge, blocking span copy": blocking_span,
+        "bridge, span on its own stream": settings(0, 0),
+        "bridge, span on the current stream": settings(0, 1 << 62),
     }
 
 

@@ -2,9 +2,10 @@
 
 Install with ``pip install shmvec[torch]``.
 
-``device="cpu"``: zero-copy views; ``device="cuda"``: one DMA copy per step from
-the segment registered as pinned memory, one CUDA event per ring slot before the
-workers may write it again (docs/guides/torch.md has the whole rule).
+``device="cpu"``: zero-copy views; ``device="cuda"``: from the segment registered
+as pinned memory, a small result by a blocking copy per array, a larger one by
+one DMA copy of its span with one CUDA event per ring slot before the workers may
+write it again (docs/guides/torch.md has the whole rule).
 
 Example:
     >>> import gymnasium as gym
@@ -31,6 +32,10 @@ from gymnasium.vector import VectorWrapper
 
 from shmvec.vector_env import ShmVectorEnv
 
+#: Results under this many bytes per step are copied array by array, each copy
+#: blocking: at a few KiB a DMA's latency (~20 µs) and the span's bookkeeping cost
+#: more than the copies (docs/performance.md, the GPU hand-off).
+SMALL_RESULT_BYTES = 64 << 10
 #: Spans from this size on are copied on the bridge's own stream, so that they can
 #: overlap GPU work queued before them (docs/guides/torch.md; no A/B sets the size).
 SIDE_STREAM_BYTES = 1 << 20
@@ -45,6 +50,8 @@ class TorchVectorEnv(VectorWrapper):
         reward_dtype: dtype of the reward tensor (float32, as policies use).
         side_stream_bytes: on CUDA, results of at least this many bytes per
             step are copied on a stream of their own (see the module's doc).
+        small_result_bytes: on CUDA, results under this many bytes per step
+            are copied array by array, each copy blocking.
     """
 
     def __init__(
@@ -53,6 +60,7 @@ class TorchVectorEnv(VectorWrapper):
         device: str | torch.device = "cpu",
         reward_dtype: torch.dtype = torch.float32,
         side_stream_bytes: int = SIDE_STREAM_BYTES,
+        small_result_bytes: int = SMALL_RESULT_BYTES,
     ) -> None:
         super().__init__(env)
         shm = env.unwrapped
@@ -62,6 +70,7 @@ class TorchVectorEnv(VectorWrapper):
         self.device = torch.device(device)
         self.reward_dtype = reward_dtype
         self.side_stream_bytes = side_stream_bytes
+        self.small_result_bytes = small_result_bytes
         self._handoff = shm.handoff()
         slab = self._handoff.action_slab()
         self._slab = None if slab is None else torch.from_numpy(slab)
@@ -90,37 +99,41 @@ class TorchVectorEnv(VectorWrapper):
 
     # ------------------------------------------------------------- conversions
 
-    def _to_device(self, value: Any) -> Any:
+    def _to_device(self, value: Any, non_blocking: bool) -> Any:
         """numpy leaves to tensors on the device (strings and objects stay)."""
         if isinstance(value, np.ndarray) and value.dtype != object:
             tensor = torch.from_numpy(value)
             if self.device.type == "cpu":
                 return tensor
             out = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
-            out.copy_(tensor, non_blocking=True)
+            out.copy_(tensor, non_blocking=non_blocking)
             return out
         if isinstance(value, dict):
-            return {k: self._to_device(v) for k, v in value.items()}
+            return {k: self._to_device(v, non_blocking) for k, v in value.items()}
         if isinstance(value, tuple) and not any(isinstance(v, str) for v in value):
-            return tuple(self._to_device(v) for v in value)
+            return tuple(self._to_device(v, non_blocking) for v in value)
         return value
 
-    def _tensors(self, obs, rewards, terminations, truncations) -> list:
-        converted = [self._to_device(obs)]
+    def _tensors(self, obs, rewards, terminations, truncations, non_blocking=True) -> list:
+        converted = [self._to_device(obs, non_blocking)]
         if rewards is not None:
             converted += [
-                self._to_device(rewards).to(self.reward_dtype),
-                self._to_device(terminations),
-                self._to_device(truncations),
+                self._to_device(rewards, non_blocking).to(self.reward_dtype),
+                self._to_device(terminations, non_blocking),
+                self._to_device(truncations, non_blocking),
             ]
         return converted
 
     def _convert(self, slot: int, obs, rewards=None, terminations=None, truncations=None):
-        """Tensors of one result; on CUDA, one span copy when the result is ring
-        views, else one copy per leaf; small ones on the current stream."""
+        """Tensors of one result. On CUDA: a small result by a blocking copy per
+        leaf (done on return, so the slot is free at once); a larger one by one
+        span copy when it is ring views, else one copy per leaf, with an event
+        that the slot's reuse waits for; large spans on the bridge's stream."""
         if self.device.type == "cpu":
             return self._tensors(obs, rewards, terminations, truncations)
         result = [obs] if rewards is None else [obs, rewards, terminations, truncations]
+        if _nbytes(result) < self.small_result_bytes:
+            return self._tensors(obs, rewards, terminations, truncations, non_blocking=False)
         span = self._packer.span(result) if self.env is self.shm else None
         nbytes = span.end - span.start if span is not None else _nbytes(result)
         current = torch.cuda.current_stream(self.device)

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import shmvec  # noqa: E402
-from shmvec.torch import TorchVectorEnv  # noqa: E402
+from shmvec.torch import SMALL_RESULT_BYTES, TorchVectorEnv  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -115,9 +115,12 @@ def test_refuses_other_vector_envs():
 
 
 @needs_cuda
-def test_cuda_results_equal_numpy_results_and_slots_wait_for_copies():
+@pytest.mark.parametrize("small_result_bytes", [SMALL_RESULT_BYTES, 0], ids=["blocking", "span"])
+def test_cuda_results_equal_numpy_results_and_slots_wait_for_copies(small_result_bytes):
+    """Both CUDA paths: a small result's blocking copies, and (with the size
+    bound at 0) the span copy whose event a slot's reuse waits for."""
     torch.cuda.init()  # CUDA initialized before the env forks its workers
-    envs = TorchVectorEnv(cartpoles(n=8), device="cuda")
+    envs = TorchVectorEnv(cartpoles(n=8), device="cuda", small_result_bytes=small_result_bytes)
     reference = cartpoles(n=8)
     obs, _ = envs.reset(seed=5)
     expected, _ = reference.reset(seed=5)
