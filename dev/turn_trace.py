@@ -21,6 +21,7 @@ Variants (``--variant``, alternated over ``--rounds``) change one setting of the
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextvars
 import os
 import sys
@@ -50,15 +51,27 @@ SEGMENTS = ("recv->ask", "ask->act", "act->request", "request", "request->answer
 
 #: name -> (how the workers place their env threads: "rule" as shmvec does, "always" (on one
 #: CPU each whoever else uses it) or "never"; ``measure``'s arguments; the HTTP transport
-#: under ``ServerPolicy``'s ``openai`` clients: "aiohttp" as shmvec has it, or "httpx"). The
-#: workers fork, so that the choice made here reaches them.
-VARIANTS: dict[str, tuple[str, dict[str, Any], str]] = {
-    "default": ("rule", {}, "aiohttp"),
-    "placed": ("always", {}, "aiohttp"),
-    "unplaced": ("never", {}, "aiohttp"),
-    "batch4": ("rule", {"batch_size": 4}, "aiohttp"),
-    "httpx": ("rule", {}, "httpx"),
+#: under ``ServerPolicy``'s ``openai`` clients: "aiohttp" as shmvec has it, or "httpx"; the
+#: interpreter's thread switch interval in seconds, ``sys.setswitchinterval``: how long a
+#: thread that wants the GIL waits before it asks the holder to drop it, 0.005 by default;
+#: how the rollout loop hands rows to the policy's event loop: "batch" (one wake-up per
+#: batch of rows, as shmvec does) or "row" (``asyncio.run_coroutine_threadsafe`` per row).
+#: The workers fork, so that the choice made here reaches them.
+VARIANTS: dict[str, tuple[str, dict[str, Any], str, float, str]] = {
+    "default": ("rule", {}, "aiohttp", 0.005, "batch"),
+    "placed": ("always", {}, "aiohttp", 0.005, "batch"),
+    "unplaced": ("never", {}, "aiohttp", 0.005, "batch"),
+    "batch4": ("rule", {"batch_size": 4}, "aiohttp", 0.005, "batch"),
+    "httpx": ("rule", {}, "httpx", 0.005, "batch"),
+    "switch1ms": ("rule", {}, "aiohttp", 0.001, "batch"),
+    "submit-per-row": ("rule", {}, "aiohttp", 0.005, "row"),
 }
+
+
+def _submit_per_row(self: Any, rows: list[Any], observations: Any) -> None:
+    self.outstanding += len(rows)
+    for row in rows:
+        asyncio.run_coroutine_threadsafe(self._call(row), self.loop)
 
 
 class Trace:
@@ -260,6 +273,7 @@ def main() -> None:
 
     install()
     place_cpu, share = worker._worker_cpu, concurrent_envs.NEIGHBOUR_SHARE
+    batch_submit = policies.AsyncPolicyRunner.submit
     aiohttp_client = openai.DefaultAioHttpClient
     model = tiny_llm()
     cpus = None if args.server_cpus is None else {int(c) for c in args.server_cpus.split(",")}
@@ -285,7 +299,11 @@ def main() -> None:
         )  # fmt: skip
         for r in range(args.rounds):
             for name in args.variant or ["default"]:
-                placement, knobs, transport = VARIANTS[name]
+                placement, knobs, transport, switch_s, submit = VARIANTS[name]
+                sys.setswitchinterval(switch_s)
+                policies.AsyncPolicyRunner.submit = (  # type: ignore[method-assign]
+                    batch_submit if submit == "batch" else _submit_per_row
+                )
                 openai.DefaultAioHttpClient = (
                     aiohttp_client if transport == "aiohttp" else openai.DefaultAsyncHttpxClient
                 )

@@ -154,6 +154,7 @@ class AsyncPolicyRunner(PolicyRunner):
         self.policy = policy
         self.loop_version = version()
         self.loop = asyncio.new_event_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.thread = threading.Thread(target=self._serve, name="shmvec-policy", daemon=True)
         self.ready = threading.Event()
         self.thread.start()
@@ -166,10 +167,16 @@ class AsyncPolicyRunner(PolicyRunner):
         self.loop.run_forever()
 
     def submit(self, rows: list[PolicyRow], observations: Any) -> None:
-        """Issues one call per row (``observations``, their batch, is not used)."""
+        """Issues one call per row (``observations``, their batch, is not used), all
+        started by one wake-up of the event loop."""
         self.outstanding += len(rows)
+        self.loop.call_soon_threadsafe(self._start, rows)
+
+    def _start(self, rows: list[PolicyRow]) -> None:
         for row in rows:
-            asyncio.run_coroutine_threadsafe(self._call(row), self.loop)
+            task = self.loop.create_task(self._call(row))
+            self._tasks.add(task)  # the loop holds tasks weakly
+            task.add_done_callback(self._tasks.discard)
 
     def set_version(self, version: int) -> None:
         if not self.loop.is_closed():
