@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a GPU machine, in one run sized to a short loan: the torch and CUDA
-# tests, the GPU hand-off, Atari PPO against gymnasium Async and EnvPool, then the many-core
+# tests, the GPU hand-off (the benchmark, then the bridge's copy ways alternated with
+# dev/handoff_probe.py --ab), Atari PPO against gymnasium Async and EnvPool, then the many-core
 # sweep against gymnasium Async, EnvPool and PufferLib. Parts run in that order, each under
 # its own time limit and all before END_AT (seconds since the epoch; default: 500 s from
 # now), so that a slow start costs the last part, not the run.
@@ -35,7 +36,7 @@ part() {  # name, time limit (s), command...: runs under the smaller of the limi
 part tests 75 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_torch.py tests/test_start_method.py \
   "tests/test_bench.py::test_handoff_on_the_cpu"
 part handoff 70 $B --workloads handoff --device cuda --seconds 1 --warmup 0.5 --out "$W/handoff"
-part handoff-ab 80 "$PY" dev/handoff_probe.py --ab --seconds 0.3 --rounds 4
+part handoff-ab 180 "$PY" dev/handoff_probe.py --ab --seconds 0.3 --rounds 4
 P=("$PY" examples/ppo_atari.py --num-envs 64 --total-timesteps 32768)
 part ppo-sync 90 "${P[@]}" --vector shmvec,gymnasium-async,envpool
 part ppo-async 50 "${P[@]}" --async-envs --vector shmvec,envpool
