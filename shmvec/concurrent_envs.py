@@ -325,13 +325,14 @@ class ConcurrentEnvs:
         the CPU of the children placed with them, once this process has child
         processes; else places or unplaces the env threads as other processes
         use their CPU. Called from the thread that steps serially."""
-        now = time.monotonic()
-        if self._cpu is None or now < self._next_child_check:
+        if self._cpu is None or time.monotonic() < self._next_child_check:
             return
-        self._next_child_check = now + CHILD_CHECK_S
         children = _child_pids()
         if not children:
             self._follow_neighbours()
+            # From the end of this check: the next one finds a whole NEIGHBOUR_CHECK_S
+            # since the neighbours' reading (reading the children took a while).
+            self._next_child_check = time.monotonic() + CHILD_CHECK_S
             return
         self._cpu = None
         self.pool.place(None)
