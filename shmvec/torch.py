@@ -132,10 +132,12 @@ class TorchVectorEnv(VectorWrapper):
         if self.device.type == "cpu":
             return self._tensors(obs, rewards, terminations, truncations)
         result = [obs] if rewards is None else [obs, rewards, terminations, truncations]
-        if _nbytes(result) < self.small_result_bytes:
+        nbytes = _nbytes(result)
+        if nbytes < self.small_result_bytes:
             return self._tensors(obs, rewards, terminations, truncations, non_blocking=False)
         span = self._packer.span(result) if self.env is self.shm else None
-        nbytes = span.end - span.start if span is not None else _nbytes(result)
+        if span is not None:
+            nbytes = span.end - span.start
         current = torch.cuda.current_stream(self.device)
         if nbytes < self.side_stream_bytes:
             converted = self._copy(span, result)
