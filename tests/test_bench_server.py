@@ -84,6 +84,23 @@ def test_interrupt_keeps_the_tokens_of_interrupted_requests(tiny_tokenizer):
     assert lags[0] > 0 and sum(lags.values()) > lags[0]
 
 
+def test_the_failed_requests_asked_again_are_counted_by_kind(tiny_tokenizer):
+    """One request in ten answered 503: the layer asks it again, and the run names the kind."""
+    with FakeServer(
+        tiny_tokenizer, max_model_len=4096, token_delay_s=0.002,
+        fault=lambda n, body: "503" if n % 10 == 3 else "ok",
+    ) as server:  # fmt: skip
+        config = ServerConfig(server.base_url, "tiny", tiny_tokenizer, max_tokens=8)
+        m = measure(
+            "tool", "shmvec", "server", num_envs=16, group_size=4, seconds=1.0, timeout=60,
+            max_lag=None, server=config,
+        )  # fmt: skip
+    assert m.outcome == "ok", m.outcome
+    assert m.failed_trajectories == 0
+    kinds = {k: int(n) for k, n in (p.split(":") for p in m.request_fault_kinds.split())}
+    assert set(kinds) == {"server_error"} and kinds["server_error"] == m.request_faults > 0
+
+
 def test_cli_prints_the_server_table(tmp_path, capsys, tiny_tokenizer, tiny_llm_path):
     with FakeServer(tiny_tokenizer, max_model_len=4096) as server:
         main(
@@ -156,6 +173,18 @@ def test_median_rows_sum_the_token_lags_of_their_runs():
     rows = [RolloutMeasurement("tool", "shmvec", "server", 8, 4) for _ in range(3)]
     rows[0].token_lags, rows[1].token_lags, rows[2].token_lags = "0:5 1:2", "0:1 2:4", ""
     assert median_row(rows).token_lags == "0:6 1:2 2:4"
+
+
+def test_median_rows_sum_the_kinds_of_their_failed_requests():
+    from shmvec_bench.rollouts.report import server_table
+    from shmvec_bench.rollouts.runner import RolloutMeasurement, median_row
+
+    rows = [RolloutMeasurement("tool", "shmvec", "server", 8, 4) for _ in range(3)]
+    for row, faults, kinds in zip(rows, (2, 5, 0), ("timeout:2", "connect:1 timeout:4", "")):
+        row.request_faults, row.request_fault_kinds = faults, kinds
+    merged = median_row(rows)
+    assert merged.request_faults == 2 and merged.request_fault_kinds == "connect:1 timeout:6"
+    assert "2 failed requests retried (all runs: connect:1 timeout:6)" in server_table([merged])
 
 
 def test_server_cpus_are_checked_and_parsed(capsys):

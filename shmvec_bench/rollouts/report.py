@@ -100,7 +100,8 @@ def server_table(rows: Sequence[RolloutMeasurement]) -> str:
         if m.failed_trajectories:
             outcome += f"; {m.failed_trajectories} failed trajectories returned"
         if m.request_faults:
-            outcome += f"; {m.request_faults} failed requests retried"
+            kinds = m.request_fault_kinds if m.runs <= 1 else f"all runs: {m.request_fault_kinds}"
+            outcome += f"; {m.request_faults} failed requests retried ({kinds})"
         lines.append(
             f"| {m.workload} | {m.label} | {m.num_envs} | {_fmt(m.groups_per_s, ',.2f')} "
             f"| {vs if m.backend in SHMVEC else ''} | {_fmt(m.requests_per_s, ',.1f')} "

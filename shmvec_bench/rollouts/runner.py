@@ -92,6 +92,9 @@ class RolloutMeasurement:
     #: Requests that failed and were asked again (``ServerPolicy`` retries; the other
     #: runners stop at the first), over the run.
     request_faults: int = 0
+    #: ``kind:count`` of those failed requests (``ServerFault.kind``: timeout, connect, ...);
+    #: in a median row, summed over its runs.
+    request_fault_kinds: str = ""
     token_lags: str = ""
     #: Trajectories returned that did not end as the game ended them (errors, deaths).
     failed_trajectories: int = 0
@@ -299,7 +302,8 @@ def _server_figures(row: RolloutMeasurement, figures: dict, elapsed: float, cpu:
     row.policy_idle_share = max(0.0, 1.0 - figures["busy_share"])
     row.interrupted = figures["interrupted"]
     row.tokens_interrupted = figures["tokens_interrupted"]
-    row.request_faults = figures["faults"]
+    row.request_faults = sum(figures["faults"].values())
+    row.request_fault_kinds = " ".join(f"{k}:{n}" for k, n in sorted(figures["faults"].items()))
 
 
 def _kill_new_processes(before: set[int]) -> None:
@@ -351,5 +355,9 @@ def median_row(rows: Sequence[RolloutMeasurement]) -> RolloutMeasurement:
     merged.accounting = (bad[0] if bad else first).accounting
     merged.config, merged.variant = first.config, first.variant
     merged.token_lags = _sum_lags(r.token_lags for r in ok)
+    kinds: Counter[str] = Counter()
+    for r in ok:
+        kinds.update({k: int(n) for k, n in (p.split(":") for p in r.request_fault_kinds.split())})
+    merged.request_fault_kinds = " ".join(f"{k}:{n}" for k, n in sorted(kinds.items()))
     merged.runs = len(rows)
     return merged

@@ -275,13 +275,14 @@ class ServerRun:
             p50, p99 = stats["latency_p50_s"], stats["latency_p99_s"]
             interrupted = stats["interrupted"]
             kept = stats.get("tokens_interrupted", 0)
-            faults = sum(stats["faults"].values())
+            kinds = dict(stats["faults"])
         else:
             with self.log._lock:
                 latencies = list(self.log.latencies)
             p50 = float(np.percentile(latencies, 50)) if latencies else float("nan")
             p99 = float(np.percentile(latencies, 99)) if latencies else float("nan")
-            interrupted = kept = faults = 0
+            interrupted = kept = 0
+            kinds = {}
         return {
             "requests": self.requests() - self._requests0,
             "latency_p50_s": p50,
@@ -289,7 +290,7 @@ class ServerRun:
             **server,
             "interrupted": interrupted,
             "tokens_interrupted": kept,
-            "faults": faults,
+            "faults": kinds,
         }
 
     def close(self) -> None:
