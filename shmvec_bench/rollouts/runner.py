@@ -29,8 +29,9 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -282,12 +283,12 @@ def measure(
     return row
 
 
-def _sum_lags(lags: Iterable[str]) -> str:
-    """``lag:tokens`` pairs summed over runs."""
-    total: Counter[int] = Counter()
-    for text in lags:
-        total.update({int(k): int(v) for k, v in (pair.split(":") for pair in text.split())})
-    return " ".join(f"{lag}:{n}" for lag, n in sorted(total.items()))
+def _sum_counts(texts: Iterable[str], key: Callable[[str], Any] = str) -> str:
+    """``key:count`` pairs (``token_lags``, ``request_fault_kinds``) summed over runs."""
+    total: Counter[Any] = Counter()
+    for text in texts:
+        total.update({key(k): int(n) for k, n in (pair.split(":") for pair in text.split())})
+    return " ".join(f"{k}:{n}" for k, n in sorted(total.items()))
 
 
 def _server_figures(row: RolloutMeasurement, figures: dict, elapsed: float, cpu: float) -> None:
@@ -354,10 +355,7 @@ def median_row(rows: Sequence[RolloutMeasurement]) -> RolloutMeasurement:
     merged.outcome = bad[0].outcome if bad else "ok"
     merged.accounting = (bad[0] if bad else first).accounting
     merged.config, merged.variant = first.config, first.variant
-    merged.token_lags = _sum_lags(r.token_lags for r in ok)
-    kinds: Counter[str] = Counter()
-    for r in ok:
-        kinds.update({k: int(n) for k, n in (p.split(":") for p in r.request_fault_kinds.split())})
-    merged.request_fault_kinds = " ".join(f"{k}:{n}" for k, n in sorted(kinds.items()))
+    merged.token_lags = _sum_counts((r.token_lags for r in ok), int)
+    merged.request_fault_kinds = _sum_counts(r.request_fault_kinds for r in ok)
     merged.runs = len(rows)
     return merged
