@@ -23,6 +23,8 @@ import urllib.request
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
+#: Where POSIX shared memory and named semaphores live.
+SHM_DIR = "/dev/shm"
 #: How long vLLM-CPU may take to start (it takes about 1.5 minutes on 2 cores).
 VLLM_START_S = 420.0
 
@@ -72,6 +74,8 @@ class VLLMServer:
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.shm: set[str] = set()  # the server's shared-memory files, removed after a kill
+        self._shm_before: set[str] = set()  # /dev/shm's names when the server started
+        self._started_at = 0.0
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def start(self) -> None:
@@ -85,6 +89,7 @@ class VLLMServer:
             "--dtype", "bfloat16", "--max-model-len", str(self.max_model_len),
             "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
+        self._shm_before, self._started_at = set(os.listdir(SHM_DIR)), time.time()
         with open(self.log_path, "ab") as log, _thread_cpus(self.cpus):
             self.proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -119,7 +124,7 @@ class VLLMServer:
                 with open(f"/proc/{pid}/maps") as maps:
                     for line in maps:
                         path = line.split(maxsplit=5)[-1].strip()
-                        if path.startswith("/dev/shm/"):
+                        if path.startswith(SHM_DIR + "/"):
                             found.add(path.removesuffix(" (deleted)"))
             except OSError:
                 continue
@@ -127,7 +132,9 @@ class VLLMServer:
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
         """Stops the server and waits; then removes the shared-memory files its processes had
-        mapped (a killed vLLM leaves them behind).
+        mapped (a killed vLLM leaves them behind), and the multiprocessing semaphores made
+        since it started that no process maps any more (one stayed behind after a vLLM shutdown
+        that force-killed one of its processes).
 
         SIGTERM goes to the server alone, which shuts its engine down and lets its resource
         tracker unlink the semaphores it made (signalled with the rest of the group, the
@@ -139,7 +146,7 @@ class VLLMServer:
         try:
             self._signal(sig, timeout_s)
         finally:
-            for path in shm:
+            for path in shm | leaked_semaphores(self._shm_before, self._started_at):
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
@@ -172,6 +179,30 @@ class VLLMServer:
             pass
 
 
+def leaked_semaphores(before: Collection[str], since: float) -> set[str]:
+    """The multiprocessing semaphores (``/dev/shm/sem.mp-*``) not in ``before`` and made at
+    ``since`` or later (time.time()) that no running process maps: nothing can open them
+    again (a process that shares one holds it mapped)."""
+    candidates = set()
+    for name in set(os.listdir(SHM_DIR)) - set(before):
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if name.startswith("sem.mp-") and os.stat(path).st_mtime >= since:
+                candidates.add(path)
+        except FileNotFoundError:
+            continue
+    if not candidates:
+        return candidates
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped = {line.split(maxsplit=5)[-1].strip() for line in maps if SHM_DIR in line}
+        except OSError:
+            continue
+        candidates -= {path.removesuffix(" (deleted)") for path in mapped}
+    return candidates
+
+
 def group_pids(pgid: int, trackers: bool = True) -> list[int]:
     """The running processes of group ``pgid`` (without multiprocessing's resource trackers
     unless ``trackers``)."""
@@ -192,4 +223,4 @@ def group_pids(pgid: int, trackers: bool = True) -> list[int]:
     return found
 
 
-__all__ = ["VLLMServer", "free_port", "group_pids"]
+__all__ = ["VLLMServer", "free_port", "group_pids", "leaked_semaphores"]
