@@ -3,6 +3,7 @@ server``, and what ``gc.freeze()`` after start-up buys, alternated::
 
     taskset -c 0 python dev/fake_llm_server.py --port 47123 &
     taskset -c 1 python dev/gc_freeze_ab.py --server-url http://127.0.0.1:47123/v1 --rounds 2
+    python dev/gc_freeze_ab.py --rounds 2      # against vLLM-CPU (the tiny model) started here
 
 A trainer's process holds every object its imports made (torch, transformers, openai: some
 370,000 tracked objects here), and each full collection walks all of them while holding the
@@ -49,7 +50,9 @@ class Collector:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--server-url", required=True)
+    parser.add_argument(
+        "--server-url", default=None, help="a running server (default: start vLLM-CPU here)"
+    )
     parser.add_argument("--backend", default="shmvec")
     parser.add_argument("--num-envs", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=30.0)
@@ -59,7 +62,24 @@ def main() -> None:
 
     from shmvec.testing.tiny_llm import tiny_llm
 
-    config = ServerConfig(args.server_url, "tiny", AutoTokenizer.from_pretrained(str(tiny_llm())))
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llm()))
+    if args.server_url is not None:
+        run(args, ServerConfig(args.server_url, "tiny", tokenizer))
+        return
+    from shmvec.testing.vllm_server import VLLMServer
+
+    server = VLLMServer(str(tiny_llm()), max_model_len=2048)
+    server.start()
+    try:
+        server.wait_ready()
+        pids = tuple(server.pids())
+        run(args, ServerConfig(server.base_url, "tiny", tokenizer, server_pids=pids))
+    finally:
+        server.stop()
+
+
+def run(args: argparse.Namespace, config: ServerConfig) -> None:
+    """The alternated rounds against ``config``'s server, and their medians."""
     collector = Collector()
     results: dict[str, list[tuple[float, ...]]] = defaultdict(list)
     for r in range(args.rounds):
