@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -224,9 +224,7 @@ def measure(
             cpu = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1 if p not in skip)
             if server_run is not None:
                 _server_figures(row, server_run.figures(), elapsed, cpu)
-                row.token_lags = " ".join(
-                    f"{lag}:{n}" for lag, n in sorted(getattr(runner, "token_lags", {}).items())
-                )
+                row.token_lags = _pairs(getattr(runner, "token_lags", {}))
             else:
                 busy1, _, _ = pol.clock.snapshot()
                 row.policy_idle_share = max(0.0, 1.0 - (busy1 - busy0) / elapsed)
@@ -283,12 +281,17 @@ def measure(
     return row
 
 
+def _pairs(counts: Mapping[Any, int]) -> str:
+    """Counts as ``key:count`` pairs, keys in order (``token_lags``, ``request_fault_kinds``)."""
+    return " ".join(f"{k}:{n}" for k, n in sorted(counts.items()))
+
+
 def _sum_counts(texts: Iterable[str], key: Callable[[str], Any] = str) -> str:
-    """``key:count`` pairs (``token_lags``, ``request_fault_kinds``) summed over runs."""
+    """``_pairs`` texts summed over runs (``key`` reads a key back)."""
     total: Counter[Any] = Counter()
     for text in texts:
         total.update({key(k): int(n) for k, n in (pair.split(":") for pair in text.split())})
-    return " ".join(f"{k}:{n}" for k, n in sorted(total.items()))
+    return _pairs(total)
 
 
 def _server_figures(row: RolloutMeasurement, figures: dict, elapsed: float, cpu: float) -> None:
@@ -304,7 +307,7 @@ def _server_figures(row: RolloutMeasurement, figures: dict, elapsed: float, cpu:
     row.interrupted = figures["interrupted"]
     row.tokens_interrupted = figures["tokens_interrupted"]
     row.request_faults = sum(figures["faults"].values())
-    row.request_fault_kinds = " ".join(f"{k}:{n}" for k, n in sorted(figures["faults"].items()))
+    row.request_fault_kinds = _pairs(figures["faults"])
 
 
 def _kill_new_processes(before: set[int]) -> None:
