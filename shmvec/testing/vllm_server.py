@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 
 #: Where POSIX shared memory and named semaphores live.
@@ -118,17 +118,7 @@ class VLLMServer:
 
     def _group_shm(self) -> set[str]:
         """The /dev/shm files that the server's process group has mapped."""
-        found = set()
-        for pid in self.pids():
-            try:
-                with open(f"/proc/{pid}/maps") as maps:
-                    for line in maps:
-                        path = line.split(maxsplit=5)[-1].strip()
-                        if path.startswith(SHM_DIR + "/"):
-                            found.add(path.removesuffix(" (deleted)"))
-            except OSError:
-                continue
-        return found
+        return mapped_shm(self.pids())
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> None:
         """Stops the server and waits; then removes the shared-memory files its processes had
@@ -193,14 +183,22 @@ def leaked_semaphores(before: Collection[str], since: float) -> set[str]:
             continue
     if not candidates:
         return candidates
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    return candidates - mapped_shm(int(pid) for pid in filter(str.isdigit, os.listdir("/proc")))
+
+
+def mapped_shm(pids: Iterable[int]) -> set[str]:
+    """The /dev/shm files that the processes ``pids`` map (those gone are skipped)."""
+    found = set()
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as maps:
-                mapped = {line.split(maxsplit=5)[-1].strip() for line in maps if SHM_DIR in line}
+                for line in maps:
+                    path = line.split(maxsplit=5)[-1].strip()
+                    if path.startswith(SHM_DIR + "/"):
+                        found.add(path.removesuffix(" (deleted)"))
         except OSError:
             continue
-        candidates -= {path.removesuffix(" (deleted)") for path in mapped}
-    return candidates
+    return found
 
 
 def group_pids(pgid: int, trackers: bool = True) -> list[int]:
