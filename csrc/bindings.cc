@@ -232,6 +232,11 @@ exposed for tests; the workers call them from Cython.
           "skip", [](PyRing& r, uint32_t rows) { r.ring.skip(rows); }, py::arg("rows"),
           "Moves the claim counter past `rows` padded rows (no worker may claim now).")
       .def(
+          "close", [](PyRing& r, uint64_t first) { return r.ring.close(first); },
+          py::arg("first"),
+          "Closes the slot whose first row is claim `first` to further claims if some but "
+          "not all of its rows are claimed; returns the rows claimed in it.")
+      .def(
           "set_handoff", [](PyRing& r, bool on) { r.ring.set_handoff(on); },
           py::arg("on"), "Whether the worker that wakes main then yields its core.");
 

@@ -65,6 +65,20 @@ void ResultRing::skip(uint32_t rows) noexcept {
   header_->claimed.fetch_add(rows, std::memory_order_acq_rel);
 }
 
+uint32_t ResultRing::close(uint64_t first) noexcept {
+  const uint64_t end = first + batch_size_;
+  uint64_t n = header_->claimed.load(std::memory_order_acquire);
+  while (n > first && n < end) {
+    // acq_rel: one link of the chain of claims, as claim's; a claim between
+    // the load and here fails the exchange, which then retries with its count.
+    if (header_->claimed.compare_exchange_weak(n, end, std::memory_order_acq_rel,
+                                               std::memory_order_acquire)) {
+      return uint32_t(n - first);
+    }
+  }
+  return n <= first ? 0 : batch_size_;
+}
+
 void Doorbell::ring() noexcept {
   w_->rings.value.fetch_add(1, std::memory_order_seq_cst);
   if (w_->sleepers.value.load(std::memory_order_seq_cst) != 0) {

@@ -18,12 +18,19 @@
 // fill as usual (the last real publish wakes it), reads the n rows and skip()s
 // the claim counter past the padding before it gives any env a new command.
 //
+// A batch of the rows in so far (recv(take_ready=True) after its timeout):
+// main close()s the slot it waits on, moving the claim counter from its
+// current value, inside the slot, to the slot's end in one compare-exchange,
+// so that the rows claimed so far are the batch and every later claim is a
+// row of the next slot; it pad()s the rows no worker will claim and waits for
+// the claimed ones as usual (each publish follows its claim at once).
+//
 // The ring never overruns while num_slots * batch_size >= num_envs +
 // batch_size (why: docs/design/protocol.md, "The result ring").
 //
 // Who may call what: claim/publish any worker, concurrently; wait_full,
-// release, filled, pad, unpad and skip the main process; ring the main process; wait the
-// doorbell's worker.
+// release, filled, pad, unpad, skip and close the main process; ring the main
+// process; wait the doorbell's worker.
 #pragma once
 
 #include <atomic>
@@ -89,6 +96,11 @@ class ResultRing {
   // worker can claim: every running env's row is published and no env has a
   // new command, so the next claim is the first row of the next slot.
   void skip(uint32_t rows) noexcept;
+  // [main] Closes the slot whose first row is claim number `first` to
+  // further claims, if some but not all of its rows are claimed: returns the
+  // rows claimed in it (0: none, and nothing changed; batch_size: all of
+  // them, and nothing changed). Later claims go to the next slot.
+  uint32_t close(uint64_t first) noexcept;
 
  private:
   RingHeader* header_;

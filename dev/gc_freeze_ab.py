@@ -57,6 +57,18 @@ def main() -> None:
     parser.add_argument("--num-envs", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--ways",
+        nargs="+",
+        default=["plain", "freeze"],
+        choices=["plain", "freeze", "tuned"],
+        help="tuned: freeze, and gc.set_threshold(--threshold) for the run",
+    )
+    parser.add_argument(
+        "--threshold",
+        default="10000,20,10",
+        help="tuned's collection thresholds, gen0,gen1,gen2 (Python's default: 700,10,10)",
+    )
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -83,10 +95,13 @@ def run(args: argparse.Namespace, config: ServerConfig) -> None:
     collector = Collector()
     results: dict[str, list[tuple[float, ...]]] = defaultdict(list)
     for r in range(args.rounds):
-        for way in ("plain", "freeze"):
-            if way == "freeze":
+        for way in args.ways:
+            default = gc.get_threshold()
+            if way in ("freeze", "tuned"):
                 gc.collect()
                 gc.freeze()
+            if way == "tuned":
+                gc.set_threshold(*(int(t) for t in args.threshold.split(",")))
             frozen = gc.get_freeze_count()
             tracked = len(gc.get_objects()) + frozen
             cpu0, n0 = collector.reading()
@@ -98,6 +113,7 @@ def run(args: argparse.Namespace, config: ServerConfig) -> None:
             process = time.process_time() - process0
             cpu1, n1 = collector.reading()
             gc.unfreeze()
+            gc.set_threshold(*default)
             gc_s = {g: cpu1.get(g, 0.0) - cpu0.get(g, 0.0) for g in (0, 1, 2)}
             counts = {g: n1.get(g, 0) - n0.get(g, 0) for g in (0, 1, 2)}
             share = sum(gc_s.values()) / process
@@ -120,10 +136,14 @@ def run(args: argparse.Namespace, config: ServerConfig) -> None:
     names = ("groups/s", "requests/s", "client CPU ms/request", "collector share",
              "request p50 s", "request p99 s")  # fmt: skip
     print(f"medians of {args.rounds} rounds:")
+    first = args.ways[0]
     for i, name in enumerate(names):
-        plain = statistics.median(row[i] for row in results["plain"])
-        frozen = statistics.median(row[i] for row in results["freeze"])
-        print(f"  {name:24s} plain {plain:8.3f}  freeze {frozen:8.3f}  ({frozen / plain:.2f}x)")
+        base = statistics.median(row[i] for row in results[first])
+        cells = [f"{first} {base:8.3f}"]
+        for way in args.ways[1:]:
+            value = statistics.median(row[i] for row in results[way])
+            cells.append(f"{way} {value:8.3f} ({value / base:.2f}x)")
+        print(f"  {name:24s} " + "  ".join(cells))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
+import gc
 import os
 import sys
 import threading
@@ -56,13 +57,16 @@ SEGMENTS = ("recv->ask", "ask->act", "act->request", "request", "request->answer
 #: interpreter's thread switch interval in seconds, ``sys.setswitchinterval``: how long a
 #: thread that wants the GIL waits before it asks the holder to drop it, 0.005 by default;
 #: how the rollout loop hands rows to the policy's event loop: "batch" (one wake-up per
-#: batch of rows, as shmvec does) or "row" (``asyncio.run_coroutine_threadsafe`` per row).
+#: batch of rows, as shmvec does), "row" (``asyncio.run_coroutine_threadsafe`` per row) or
+#: "full" (as "batch", and the loop takes full batches only, never ``recv(take_ready=True)``).
 #: The workers fork, so that the choice made here reaches them.
 VARIANTS: dict[str, tuple[str, dict[str, Any], str, float, str]] = {
     "default": ("rule", {}, "aiohttp", 0.005, "batch"),
     "placed": ("always", {}, "aiohttp", 0.005, "batch"),
     "unplaced": ("never", {}, "aiohttp", 0.005, "batch"),
     "batch4": ("rule", {"batch_size": 4}, "aiohttp", 0.005, "batch"),
+    "batch1": ("rule", {"batch_size": 1}, "aiohttp", 0.005, "batch"),
+    "full-batches": ("rule", {}, "aiohttp", 0.005, "full"),
     "httpx": ("rule", {}, "httpx", 0.005, "batch"),
     "switch1ms": ("rule", {}, "aiohttp", 0.001, "batch"),
     "submit-per-row": ("rule", {}, "aiohttp", 0.005, "row"),
@@ -299,6 +303,13 @@ def main() -> None:
     parser.add_argument("--variant", action="append", choices=sorted(VARIANTS))
     parser.add_argument("--server-cpus", type=str, default=None)
     parser.add_argument(
+        "--gc",
+        choices=["default", "freeze", "tuned"],
+        default="default",
+        help="before the rounds: nothing; gc.freeze(); or gc.freeze() and "
+        "gc.set_threshold(10000, 20, 10)",
+    )
+    parser.add_argument(
         "--server-url", default=None, help="a running server's API root (default: start vLLM-CPU)"
     )
     args = parser.parse_args()
@@ -334,13 +345,19 @@ def main() -> None:
             server_.base_url, "tiny", AutoTokenizer.from_pretrained(str(model)), 16,
             server_pids=tuple(server_.pids()),
         )  # fmt: skip
+        if args.gc != "default":
+            gc.collect()
+            gc.freeze()
+        if args.gc == "tuned":
+            gc.set_threshold(10_000, 20, 10)
         for r in range(args.rounds):
             for name in args.variant or ["default"]:
                 placement, knobs, transport, switch_s, submit = VARIANTS[name]
                 sys.setswitchinterval(switch_s)
                 policies.AsyncPolicyRunner.submit = (  # type: ignore[method-assign]
-                    batch_submit if submit == "batch" else _submit_per_row
+                    _submit_per_row if submit == "row" else batch_submit
                 )
+                policies.AsyncPolicyRunner.per_row = submit != "full"
                 openai.DefaultAioHttpClient = (
                     aiohttp_client if transport == "aiohttp" else openai.DefaultAsyncHttpxClient
                 )

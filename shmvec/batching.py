@@ -281,7 +281,7 @@ class VectorEnvBase(VectorEnv):
         raise NotImplementedError
 
     def _recv(
-        self, timeout: float | None, partial: bool
+        self, timeout: float | None, partial: bool, take_ready: bool
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """``recv`` in async mode."""
         raise NotImplementedError
@@ -338,7 +338,7 @@ class VectorEnvBase(VectorEnv):
         self.step_async(in_env_order(self.single_action_space, actions, env_ids, self.num_envs))
 
     def recv(
-        self, timeout: float | None = None, *, partial: bool = False
+        self, timeout: float | None = None, *, partial: bool = False, take_ready: bool = False
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """The next ``batch_size`` results: ``(obs, rewards, terminations,
         truncations, infos)`` with ``infos["env_id"]``, the env of each row.
@@ -350,12 +350,25 @@ class VectorEnvBase(VectorEnv):
         ``partial`` changes nothing; with none running it is the same
         RuntimeError.
 
+        ``take_ready=True`` (async mode, with a ``timeout``): once ``timeout``
+        has passed, ``recv`` returns the results that are in, at least one and
+        fewer than ``batch_size``, instead of raising ``TimeoutError``; the
+        results that come later go to the next ``recv``. It raises only when no
+        result at all came within ``timeout``. For a caller that acts on each
+        result as it comes (a per-row policy) rather than on full batches.
+
         With ``batch_size == num_envs`` that is the pending reset (zero rewards)
         or step of every env.
         """
         self._assert_is_running()
+        if take_ready and (timeout is None or not self.is_async):
+            raise ValueError(
+                "recv(take_ready=True) needs async mode (batch_size < num_envs) and a timeout "
+                f"(how long to wait for a full batch); got batch_size={self.batch_size} of "
+                f"num_envs={self.num_envs}, timeout={timeout}"
+            )
         if self.is_async:
-            return self._recv(timeout, partial)
+            return self._recv(timeout, partial, take_ready)
         if self._sync_reset_pending:
             self._sync_reset_pending = False
             obs, infos = self.reset_wait(timeout)

@@ -309,10 +309,11 @@ class RayVectorEnv(VectorEnvBase):
             self._pending[self.actors[k].step.remote(block_actions)] = (k, "step")
 
     def _recv(
-        self, timeout: float | None, partial: bool
+        self, timeout: float | None, partial: bool, take_ready: bool
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """The first ``batch_size`` results to be ready, whole actor batches; with
-        ``partial``, while fewer actors run, the batches of all of them."""
+        ``partial``, while fewer actors run, the batches of all of them; with
+        ``take_ready``, past ``timeout``, the batches that are ready."""
         need = self._batch_actors
         if len(self._pending) < need:
             running = sum(len(self.actor_env_ids[k]) for k, _ in self._pending.values())
@@ -323,7 +324,7 @@ class RayVectorEnv(VectorEnvBase):
                 )
             need = len(self._pending)
         ready, _ = ray.wait(list(self._pending), num_returns=need, timeout=timeout)
-        if len(ready) < need:
+        if len(ready) < need and not (take_ready and ready):
             raise multiprocessing.TimeoutError(
                 f"The call to `recv` has timed out after {timeout} second(s): "
                 f"{len(ready)} of {need} actor batches are ready"

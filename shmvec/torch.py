@@ -204,9 +204,13 @@ class TorchVectorEnv(VectorWrapper):
         """``ShmVectorEnv.send`` with torch or numpy actions and env ids."""
         self.shm.send(_to_numpy(actions), None if env_ids is None else _to_numpy(env_ids))
 
-    def recv(self, timeout: float | None = None, *, partial: bool = False):
+    def recv(
+        self, timeout: float | None = None, *, partial: bool = False, take_ready: bool = False
+    ):
         """``ShmVectorEnv.recv`` as tensors; ``infos["env_id"]`` stays numpy."""
-        obs, rewards, terminations, truncations, infos = self.shm.recv(timeout, partial=partial)
+        obs, rewards, terminations, truncations, infos = self.shm.recv(
+            timeout, partial=partial, take_ready=take_ready
+        )
         return (*self._convert(self._result_slot(), obs, rewards, terminations, truncations), infos)
 
     def _result_slot(self) -> int:

@@ -383,11 +383,11 @@ class ShmVectorEnv(VectorEnvBase):
         engine.start_envs(env_ids, ENV_STEP)
 
     def _recv(
-        self, timeout: float | None, partial: bool
+        self, timeout: float | None, partial: bool, take_ready: bool
     ) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """With ``copy=False`` the arrays are views of the ring, valid until the
-        next ``recv()`` (a partial batch's too: the first rows of a ring slot)."""
-        return self._async_engine().recv(timeout, partial)
+        next ``recv()`` (a smaller batch's too: the first rows of a ring slot)."""
+        return self._async_engine().recv(timeout, partial, take_ready)
 
     def _async_engine(self) -> AsyncEngine:
         assert self._async is not None, "batch_size < num_envs"

@@ -718,9 +718,14 @@ class StuckEnv(gym.Env):
 
 class Suicide:
     """SIGKILLs its own process when numpy converts it (an observation being
-    written into its ring row) or when it is pickled (an info being sent)."""
+    written into its ring row; ``after`` seconds later) or when it is pickled
+    (an info being sent)."""
+
+    def __init__(self, after: float = 0.0) -> None:
+        self.after = after
 
     def __array__(self, dtype=None, copy=None):
+        time.sleep(self.after)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def __reduce__(self):
@@ -730,8 +735,8 @@ class Suicide:
 class DiesWhenTold(CountingEnv):
     """A CountingEnv whose worker dies in its next step once ``die`` is set:
     ``"step"`` inside the step (before its row is claimed), ``"obs"`` while its
-    row is written (claimed, not published), ``"info"`` while its message is
-    sent (published, message lost)."""
+    row is written (claimed, not published; ``"obs-late"``: 1 s after the claim),
+    ``"info"`` while its message is sent (published, message lost)."""
 
     die = ""
 
@@ -739,8 +744,8 @@ class DiesWhenTold(CountingEnv):
         obs, reward, terminated, truncated, info = super().step(action)
         if self.die == "step":
             os.kill(os.getpid(), signal.SIGKILL)
-        if self.die == "obs":
-            obs = Suicide()
+        if self.die in ("obs", "obs-late"):
+            obs = Suicide(1.0 if self.die == "obs-late" else 0.0)
         if self.die == "info":
             info = {"note": Suicide()}
         return obs, reward, terminated, truncated, info

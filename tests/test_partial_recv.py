@@ -108,11 +108,13 @@ def assert_rows(infos: dict, rows: int, path: str = "infos") -> None:
             assert len(value) == rows, f"{path}[{key!r}]"
 
 
-def run_mixed_cycle(envs: shmvec.ShmVectorEnv, seed: int) -> int:
+def run_mixed_cycle(envs: shmvec.ShmVectorEnv, seed: int, take_ready: bool = False) -> int:
     """Resets every env, receives them, sends 3 envs and receives exactly them
     with ``recv(partial=True)``, then runs a cycle where each turn sends a random
     subset of what came back, so that sometimes fewer than ``batch_size`` run:
-    every row equals its env alone. Returns the partial recvs made."""
+    every row equals its env alone. With ``take_ready``, every other turn's
+    ``recv`` takes the rows in after a random 0-3 ms. Returns the partial recvs
+    made (with ``take_ready``: the batches cut short by it)."""
     n, batch = envs.num_envs, envs.batch_size
     reference = Reference(n, seed)
     rng = np.random.default_rng(seed)
@@ -144,13 +146,28 @@ def run_mixed_cycle(envs: shmvec.ShmVectorEnv, seed: int) -> int:
         send([idle[i] for i in rng.permutation(len(idle))[:go].tolist()])
         running = n - len(idle)
         partial = running < batch
-        result = envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=bool(partial or rng.random() < 0.5))
-        ids = result[4]["env_id"].tolist()
-        assert len(ids) == min(running, batch)
+        due = min(running, batch)
+        if take_ready and rng.random() < 0.5:
+            timeout = float(rng.random()) * 0.003
+            while True:
+                try:
+                    result = envs.recv(timeout=timeout, partial=partial, take_ready=True)
+                    break
+                except multiprocessing.TimeoutError:
+                    continue  # no row came: nothing changed
+            ids = result[4]["env_id"].tolist()
+            assert 1 <= len(ids) <= due
+            partials += len(ids) < due
+        else:
+            result = envs.recv(
+                timeout=ARRIVAL_TIMEOUT_S, partial=bool(partial or rng.random() < 0.5)
+            )
+            ids = result[4]["env_id"].tolist()
+            assert len(ids) == due
+            partials += partial and not take_ready
         reference.check(result)
         idle += ids
         running -= len(ids)
-        partials += partial
     return partials
 
 
@@ -177,6 +194,76 @@ def test_partial_rows_equal_each_env_alone(kwargs, monkeypatch):
         assert envs.stats()["steps"] > 8
     finally:
         envs.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_workers": 2},
+        {"num_workers": 0},
+        {"num_workers": 2, "env_concurrency": 3},
+        {"num_workers": 2, "copy": False},
+        {"num_workers": 3, "ring_depth": 3},
+    ],
+    ids=["workers", "in-process", "threads", "views", "depth3"],
+)
+def test_rows_taken_ready_equal_each_env_alone(kwargs):
+    """recv(take_ready=True) with timeouts too short for a full batch, among full
+    and partial recvs: each row is its env's alone, each result comes once. The
+    count of batches cut short is printed (it depends on the machine's pace)."""
+    envs = shmvec.ShmVectorEnv([jitter_fn()] * 8, batch_size=4, **kwargs)
+    try:
+        print("batches cut short:", run_mixed_cycle(envs, seed=11, take_ready=True))
+    finally:
+        envs.close()
+
+
+def test_take_ready_returns_the_rows_in_and_the_rest_come_next(tmp_path):
+    """Env 0 waits at its gate: recv(take_ready=True) returns the three envs of the
+    other worker (they come within the timeout; never env 0 before its gate opens),
+    and once the gate opens a later recv returns env 0's, with envs sent meanwhile."""
+    gate = str(tmp_path / "gate")
+    envs = shmvec.ShmVectorEnv(
+        [lambda: GatedStep(gym.make("CartPole-v1"), None)] * 6, num_workers=2, batch_size=4
+    )
+    try:
+        envs.async_reset(seed=0)
+        received = []
+        while len(received) < 6:
+            *_, infos = envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=True)
+            received += infos["env_id"].tolist()
+        envs.set_attr("gate", [gate] + [None] * 5)
+        envs.send(np.zeros(4, dtype=np.int64), [0, 3, 4, 5])  # 0-2 on worker 0, 3-5 on 1
+        got: list[int] = []
+        while len(got) < 3:  # each take waits 0.5 s: the slot never fills
+            *_, infos = envs.recv(timeout=0.5, partial=True, take_ready=True)
+            assert 1 <= len(infos["env_id"]) <= 3
+            got += infos["env_id"].tolist()
+        assert sorted(got) == [3, 4, 5]
+        with pytest.raises(multiprocessing.TimeoutError, match=r"0 of 1 results arrived"):
+            envs.recv(timeout=0.3, partial=True, take_ready=True)
+        envs.send(np.zeros(3, dtype=np.int64), [1, 3, 5])
+        open(gate, "w").close()
+        got = []
+        while len(got) < 4:
+            *_, infos = envs.recv(timeout=ARRIVAL_TIMEOUT_S, partial=True, take_ready=True)
+            got += infos["env_id"].tolist()
+        assert sorted(got) == [0, 1, 3, 5]
+    finally:
+        envs.close()
+
+
+def test_take_ready_needs_async_mode_and_a_timeout():
+    envs = shmvec.ShmVectorEnv([jitter_fn()] * 4, batch_size=2, num_workers=0)
+    sync = shmvec.ShmVectorEnv([jitter_fn()] * 2, num_workers=0)
+    try:
+        with pytest.raises(ValueError, match=r"take_ready=True\) needs .* a timeout"):
+            envs.recv(take_ready=True)
+        with pytest.raises(ValueError, match=r"needs async mode"):
+            sync.recv(timeout=1.0, take_ready=True)
+    finally:
+        envs.close()
+        sync.close()
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["columns", "pickled"])
@@ -417,6 +504,63 @@ def test_a_worker_killed_while_a_padded_slot_is_pending(where, monkeypatch):
         envs.close()
 
 
+def test_a_worker_killed_while_rows_are_taken_ready(monkeypatch):
+    """Env 0's worker dies 1 s after claiming its row; env 2 comes at once, envs 4
+    and 6 after 3 s, so recv(take_ready=True) closes a slot that holds env 0's
+    claim, and the death comes while main waits for that row. Nothing hangs;
+    every env's result comes back exactly once, env 0's as a truncation with
+    ``worker_restarted``; the cycle then goes on with short takes."""
+    n, batch = 8, 4
+    envs = shmvec.ShmVectorEnv(
+        [test_envs.DiesWhenTold] * n, num_workers=4, batch_size=batch, on_worker_death="restart"
+    )
+    counts = Counts(n)
+    one = np.ones(1, dtype=np.int64)
+    closed_at_restart = []
+    replace_dead = Supervisor.replace_dead
+
+    def noting_closed(self, dead, read=frozenset()):
+        closed_at_restart.append(envs._async.wire.closed)
+        return replace_dead(self, dead, read)
+
+    monkeypatch.setattr(Supervisor, "replace_dead", noting_closed)
+
+    def take(timeout: float) -> list[int]:
+        try:
+            return counts.check(envs.recv(timeout=timeout, partial=True, take_ready=True))
+        except multiprocessing.TimeoutError:
+            return []
+
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(n // batch):
+            counts.check(envs.recv(timeout=ARRIVAL_TIMEOUT_S))
+        envs.set_attr("delay", [0.0] * 4 + [3.0, 0.0, 3.0, 0.0])
+        envs.set_attr("die", ["obs-late"] + [""] * 7)
+        running = [0, 2, 4, 6]
+        envs.send(np.repeat(one, 4), running)
+        counts.sent[running] += 1
+        got: list[int] = []
+        while not {0, 2} <= set(got):
+            got += take(0.2)
+        assert 0 in counts.restarted
+        # A take (every 0.2 s) closed the slot after env 0's claim, before its death:
+        # its rows are env 0's and env 2's, or env 0's alone if env 2 came first.
+        assert closed_at_restart in ([1], [2])
+        envs.set_attr("delay", [0.0] * n)
+        for _ in range(30):
+            idle = [e for e in range(n) if counts.received[e] == counts.sent[e] + 1]
+            envs.send(np.repeat(one, len(idle)), idle)
+            counts.sent[idle] += 1
+            take(0.002)
+        while (counts.received < counts.sent + 1).any():
+            take(1.0)
+        assert np.array_equal(counts.received, counts.sent + 1)
+        assert envs.stats()["worker_restarts"] == 1
+    finally:
+        envs.close()
+
+
 # -------------------------------------------------------------- the wire alone
 
 
@@ -485,3 +629,79 @@ def test_recovery_counts_no_padding_as_a_published_row():
     wire.ring.publish(hole[0])
     assert wire.ring.wait_full(0, 0)
     assert sorted(wire.received(0, 2).tolist()) == [0, 2]
+
+
+# ------------------------------------------------------- take_ready: the wire
+
+
+def test_close_makes_the_claimed_rows_the_batch_and_later_claims_the_next_slots():
+    wire = _async_wire(6, 3, 4)
+    wire.pool.slots[0].messages[:] = 1  # flags of an earlier lap
+    wire.start(np.array([0, 2, 4, 5], dtype=np.int64), ENV_STEP)
+    assert wire.close(0, 4) == 0 and wire.closed is None  # nothing claimed: nothing changed
+    _deliver(wire, 4)
+    hole = _deliver(wire, 2, publish=False)  # claimed, published after the close
+    assert wire.close(0, 4) == 2 and wire.closed == 2
+    assert wire.ring.claimed() == 4 and wire.padding == (0, 2)
+    assert _deliver(wire, 0) == (1, 0)  # the next slot's first row
+    assert not wire.ring.wait_full(0, 0)
+    wire.ring.publish(hole[0])
+    assert wire.ring.wait_full(0, 0) and wire.published(0) == 2
+    assert wire.pool.slots[0].messages[2:].tolist() == [0, 0]
+    assert wire.received(0, 2).tolist() == [4, 2]
+    assert wire.ring.claimed() == 5 and wire.consumed_rows == 4  # no skip: the close moved it
+    assert wire.padding is None and wire.closed is None
+    _deliver(wire, 5)
+    assert wire.close(1, 4) == 2 and wire.ring.wait_full(1, 0)
+    assert wire.received(1, 2).tolist() == [0, 5]
+
+
+def test_close_of_a_padded_slot():
+    # Three envs run (a partial batch, one row padded); one is in: the close pads
+    # two more rows. Then a padded slot whose due rows are all claimed: the close
+    # moves the claim counter past the padding, and receiving does not move it again.
+    wire = _async_wire(6, 3, 4)
+    wire.start(np.array([0, 2, 4], dtype=np.int64), ENV_STEP)
+    wire.pad(0, 3)
+    _deliver(wire, 2)
+    assert wire.close(0, 3) == 1 and wire.padding == (0, 3) and wire.ring.wait_full(0, 0)
+    assert wire.received(0, 1).tolist() == [2] and wire.ring.claimed() == 4
+    wire.pad(1, 2)  # envs 0 and 4 still run
+    _deliver(wire, 0)
+    _deliver(wire, 4)
+    assert wire.close(1, 2) == 2 and wire.closed == 2 and wire.ring.claimed() == 8
+    assert wire.ring.wait_full(1, 0)
+    assert wire.received(1, 2).tolist() == [0, 4] and wire.ring.claimed() == 8
+
+
+def test_a_full_slot_of_claims_is_not_closed():
+    wire = _async_wire(6, 3, 4)
+    wire.start(np.array([0, 1, 2, 3], dtype=np.int64), ENV_STEP)
+    for env in (0, 1, 2):
+        _deliver(wire, env)
+    _deliver(wire, 3, publish=False)
+    assert wire.close(0, 4) == 4 and wire.closed is None and wire.padding is None
+
+
+def test_unpad_keeps_a_closed_slot_closed():
+    wire = _async_wire(6, 3, 4)
+    wire.start(np.array([0, 2, 4], dtype=np.int64), ENV_STEP)
+    _deliver(wire, 0)
+    assert wire.close(0, 4) == 1
+    wire.unpad()  # its wait failed: no env may claim the padding now, it stays
+    assert wire.padding == (0, 3) and wire.closed == 1 and wire.ring.wait_full(0, 0)
+    assert wire.received(0, 1).tolist() == [0]
+
+
+def test_recovery_reads_no_closed_padding_as_a_hole():
+    # Worker 0 claimed env 0's row, then main closed the slot and worker 0 died
+    # before publishing: the hole is env 0's, the padding no one's. Env 2 of
+    # dead worker 1 had taken its command with no row: it claims one (the next slot).
+    wire = _async_wire(6, 3, 4)
+    wire.start(np.array([0, 2, 4], dtype=np.int64), ENV_STEP)
+    hole = _deliver(wire, 0, publish=False)
+    _deliver(wire, 4)
+    assert wire.close(0, 4) == 2
+    wire.env_commands[2] = ENV_IDLE  # taken
+    plans = wire.recovery_plans({0, 1}, frozenset())
+    assert plans == {0: {0: ("hole", *hole, ENV_STEP)}, 1: {2: ("claim", 0, 0, ENV_STEP)}}

@@ -187,6 +187,26 @@ def test_async_recv_returns_ready_actors_first(local_ray):
         envs.close()
 
 
+def test_async_take_ready_returns_the_ready_actors_batches(local_ray):
+    """recv(take_ready=True) past its timeout returns the actor batches that are
+    ready (the fast actor's), not the slow one's; a later recv returns that."""
+    slow = functools.partial(test_envs.CountingEnv, delay=1.0)
+    fast = test_envs.CountingEnv
+    envs = make_ray_env([fast] * 2 + [slow] * 2 + [fast] * 2, num_actors=3, batch_size=4)
+    try:
+        envs.async_reset(seed=0)
+        first = envs.recv()[4]["env_id"].tolist()
+        first += envs.recv(partial=True)[4]["env_id"].tolist()
+        assert sorted(first) == list(range(6))
+        envs.send(np.zeros(4, dtype=np.int64), [0, 1, 2, 3])
+        obs, *_, infos = envs.recv(timeout=0.5, take_ready=True)
+        assert infos["env_id"].tolist() == [0, 1] and obs.shape == (2, 2)
+        *_, infos = envs.recv(timeout=120.0, partial=True, take_ready=True)
+        assert infos["env_id"].tolist() == [2, 3]
+    finally:
+        envs.close()
+
+
 def test_async_partial_recv_returns_every_running_actor(local_ray):
     """recv(partial=True) with fewer than batch_size envs running waits for every
     running actor's batch and returns those rows; the plain recv still refuses."""

@@ -397,6 +397,8 @@ struct RingRow {
 // answers those envs with their next action. With `partial`, main answers only
 // enough envs to keep a running cap that drops below the batch now and then:
 // a batch of the fewer running envs pads its slot, and skips the padding.
+// With `close`, main waits a few microseconds for a full slot and otherwise
+// closes it (recv(take_ready=True)): the rows claimed so far are its batch.
 struct RingArea {
   alignas(64) uint8_t ring_words[sizeof(RingHeader) + kRingSlots * sizeof(PaddedWord)];
   DoorbellWords bells[kMaxWorkers];
@@ -436,7 +438,7 @@ void ring_worker(RingArea* area, int index, int num_workers, SpinCase spin) {
 }
 
 void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches,
-               bool partial = false) {
+               bool partial = false, bool close = false) {
   CHECK(num_workers <= kMaxWorkers && kRingEnvs % uint32_t(num_workers) == 0);
   Segment seg = Segment::create(64 + sizeof(RingArea));
   auto* area = new (seg.data() + 64) RingArea;
@@ -464,13 +466,36 @@ void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches,
     idle.clear();
     uint32_t running = kRingEnvs;
     uint64_t total = 0;
+    uint64_t first = 0;  // the claim number of the slot's first row
+    uint32_t closed = 0;
     for (uint32_t b = 0; b < batches; ++b) {
       const uint32_t slot = b % kRingSlots;
       // Like recv(): the previous slot goes back only when the next is asked for.
       if (b > 0) ring.release((b - 1) % kRingSlots);
-      const uint32_t rows = std::min(running, kRingBatch);
+      uint32_t rows = std::min(running, kRingBatch);
       CHECK(rows > 0);
       if (rows < kRingBatch) ring.pad(slot, kRingBatch - rows);
+      bool skipped = false;
+      // Every other slot: as soon as a row is claimed, close, racing the
+      // claims of the rest; the others: short waits, each followed by a close.
+      const int64_t deadline = monotonic_ns() + kWaitLimit;
+      while (close && b % 2 && ring.claimed() == first) CHECK(monotonic_ns() < deadline);
+      while (close && ring.wait_full(slot, b % 2 ? 0 : 2000 + int64_t(b % 7) * 3000) !=
+                          WaitStatus::kReady) {
+        const uint32_t claimed = ring.close(first);
+        CHECK(claimed <= rows);
+        if (claimed == 0) continue;
+        if (claimed < rows) {
+          ring.pad(slot, rows - claimed);
+          rows = claimed;
+          ++closed;
+        }
+        // A claim now is the next slot's first row; the rows claimed here are
+        // published right after their claims.
+        skipped = true;
+        CHECK(ring.claimed() >= first + kRingBatch);
+        break;
+      }
       WaitStatus s = ring.wait_full(slot, kWaitLimit);
       if (s != WaitStatus::kReady) {
         std::fprintf(stderr, "batch %u: slot %u has %u of %u rows\n", b, slot,
@@ -479,10 +504,11 @@ void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches,
       CHECK(s == WaitStatus::kReady);
       CHECK(ring.filled(slot) == kRingBatch);
       // Every running env has published: none claims until main sends again.
-      if (rows < kRingBatch) {
+      if (rows < kRingBatch && !skipped) {
         ring.skip(kRingBatch - rows);
-        CHECK(ring.claimed() == uint64_t(b + 1) * kRingBatch);
+        CHECK(ring.claimed() == first + kRingBatch);
       }
+      first += kRingBatch;
       std::vector<bool> in_batch(kRingEnvs, false);
       for (uint32_t r = 0; r < rows; ++r) {
         const RingRow& row = area->rows[slot][r];
@@ -513,7 +539,8 @@ void test_ring(Peers how, int num_workers, SpinCase spin, uint32_t batches,
       counted += received[e];
     }
     CHECK(counted == total && running + idle.size() == kRingEnvs);
-    CHECK(partial || total == uint64_t(batches) * kRingBatch);
+    CHECK(partial || close || total == uint64_t(batches) * kRingBatch);
+    if (close) std::printf("    %u of %u slots closed early\n", closed, batches);
     area->stop.store(1, std::memory_order_release);
     for (int w = 0; w < num_workers; ++w) Doorbell(&area->bells[w]).ring();
   };
@@ -596,6 +623,7 @@ int main(int argc, char** argv) {
   run_case("ring threads x3, sleep", [&] { test_ring(threads, 3, sleep, 4 * n); });
   run_case("ring threads x4, spin", [&] { test_ring(threads, 4, spin, 4 * n); });
   run_case("ring threads x3, partial", [&] { test_ring(threads, 3, spin, 4 * n, true); });
+  run_case("ring threads x3, close", [&] { test_ring(threads, 3, sleep, 4 * n, true, true); });
   // Adaptive: budgets move between 0 and the cap.
   const SpinCase adaptive{200000, true};
   run_case("barrier threads x3, adaptive",
@@ -608,6 +636,8 @@ int main(int argc, char** argv) {
     run_case("ring processes x2", [&] { test_ring(procs, 2, spin, 4 * n); });
     run_case("ring processes x2, partial",
              [&] { test_ring(procs, 2, spin, 4 * n, true); });
+    run_case("ring processes x2, close",
+             [&] { test_ring(procs, 2, sleep, 4 * n, true, true); });
     run_case("barrier processes x3, adaptive",
              [&] { test_barrier(procs, 3, adaptive, n); });
   }

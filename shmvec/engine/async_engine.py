@@ -5,7 +5,9 @@ over the ``AsyncWire`` (engine/async_wire.py); ``recv`` waits until a ring
 slot's ``batch_size`` rows are published, reads their messages and hands the
 slot back on the next ``recv``. ``recv(partial=True)`` with fewer envs running
 waits for all of them instead: their rows are the first of the slot, and the
-rest is padding (``AsyncWire.pad``) that never reaches the caller. Each env's
+rest is padding (``AsyncWire.pad``) that never reaches the caller.
+``recv(take_ready=True)`` whose timeout passes with some rows claimed closes
+the slot (``AsyncWire.close``) and returns those rows. Each env's
 trajectory is the one it would have alone with the same seed and actions; only
 the order in which envs come back varies.
 
@@ -14,6 +16,7 @@ Who may call what: the main process's one thread.
 
 from __future__ import annotations
 
+import multiprocessing
 import resource
 import time
 from typing import Any
@@ -140,11 +143,14 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------- recv
 
-    def recv(self, timeout: float | None, partial: bool = False) -> tuple:
+    def recv(self, timeout: float | None, partial: bool = False, take_ready: bool = False) -> tuple:
         """The next ``batch_size`` results, with ``infos["env_id"]``; with
-        ``partial``, while fewer envs run, the results of all of them."""
+        ``partial``, while fewer envs run, the results of all of them; with
+        ``take_ready``, once ``timeout`` has passed, those that are in (at least one)."""
         rows = self.batch_size
-        if self.in_flight < rows:
+        if self.wire.closed is not None:  # a closed slot whose wait failed: its rows are due
+            rows = self.wire.closed
+        elif self.in_flight < rows:
             if not (partial and self.in_flight):
                 raise RuntimeError(
                     f"recv() waits for batch_size={rows} results but only {self.in_flight} "
@@ -160,14 +166,14 @@ class AsyncEngine:
         slot = self.recv_slot
         views = self.pool.slots[slot]
         messages: dict[int, dict] = {}
-        if rows < self.batch_size:
+        if rows < self.batch_size and self.wire.closed is None:
             self.wire.pad(slot, rows)
         try:
             while True:
                 try:
                     self._check_workers_now_and_then()
                     self.pool.run_main_worker()
-                    self._wait_slot(slot, timeout, rows)
+                    rows = self._wait_slot(slot, timeout, rows, take_ready)
                     self._row_messages(slot, views, messages)
                     break
                 except WorkerDiedError as error:
@@ -228,7 +234,23 @@ class AsyncEngine:
             self.supervisor.kill_stuck_workers(0.0)
             self.pool.check_all_alive()
 
-    def _wait_slot(self, slot: int, timeout: float | None, rows: int) -> None:
+    def _wait_slot(self, slot: int, timeout: float | None, rows: int, take_ready: bool) -> int:
+        """Waits until slot ``slot``'s ``rows`` rows are in, or with ``take_ready``
+        until ``timeout`` has passed with some of them claimed (the slot is then
+        closed, and their publishes follow their claims); returns the rows."""
+        if self.wire.closed is not None:
+            timeout = None  # every row due is claimed
+        try:
+            self._wait_full(slot, timeout, rows)
+        except multiprocessing.TimeoutError:
+            closed = self.wire.close(slot, rows) if take_ready else 0
+            if not closed:
+                raise
+            self._wait_full(slot, None, closed)
+            return closed
+        return rows if self.wire.closed is None else self.wire.closed
+
+    def _wait_full(self, slot: int, timeout: float | None, rows: int) -> None:
         supervisor = self.supervisor
         if timeout is None and supervisor.env_timeout is None:
             # The common case first: one wait, as RoundDriver.step_round does.

@@ -16,6 +16,13 @@ waits for, so main counts the other rows as published (``pad``) and the slot
 fills when the last of the ``n`` rows is published; ``received`` then moves
 the claim counter past the padding, before any env has a new command.
 
+A batch of the rows in so far (``recv(take_ready=True)`` past its timeout):
+``close`` moves the claim counter to the end of the slot main waits for in
+one compare-exchange (later claims are the next slot's) and pads the rows
+after the ``k`` claimed; the slot fills when those ``k`` are published. A
+closed slot stays closed if its wait then fails (``unpad`` keeps it): the next
+``recv`` returns its ``k`` rows.
+
 Recovery: once every live worker is idle, the replacements of any number of
 dead workers deliver exactly one result for each env of their blocks still
 running (``recovery_plans``, engine/lost_rows.py); padding is no row of any
@@ -69,6 +76,9 @@ class AsyncWire:
         # (slot, rows) that ``pad`` counted as published, until main consumes
         # the slot or gives it up (``unpad``).
         self.padding: tuple[int, int] | None = None
+        # The rows of main's next slot once ``close`` closed it (the claim
+        # counter is past its padding), until main consumes it.
+        self.closed: int | None = None
         self.last_command = np.zeros(num_envs, dtype=np.uint8)
         self.resets: dict[int, tuple] = {}
         # Workers whose replacement was planned and has not said it is ready,
@@ -102,9 +112,10 @@ class AsyncWire:
         self.consumed_rows += self.batch_size
         env_ids = self.pool.slots[slot].env_ids
         if self.padding is not None:
-            self.ring.skip(self.padding[1])  # every running env's row is in: none claims
-            self.padding = None
+            if self.closed is None:
+                self.ring.skip(self.padding[1])  # every running env's row is in: none claims
             env_ids = env_ids[:rows]
+        self.padding = self.closed = None
         return self.book.received(env_ids)
 
     def pad(self, slot: int, running: int) -> None:
@@ -117,10 +128,31 @@ class AsyncWire:
         self.ring.pad(slot, rows)
         self.padding = (slot, rows)
 
+    def close(self, slot: int, running: int) -> int:
+        """Closes slot ``slot``, main's next (its ``running`` envs' rows due, padded
+        if fewer than ``batch_size``), to claims once some of its rows are claimed:
+        those rows become its batch, the rest padding. Returns their count (0: none
+        claimed, nothing changed); ``running``: every row due is claimed."""
+        claimed = self.ring.close(self.consumed_rows)
+        if claimed == 0:
+            return 0
+        if claimed >= running:  # all due: the slot was full of claims, or padded
+            if claimed < self.batch_size:  # padded, and the claim counter is past it
+                self.closed = running
+            return running
+        rows = running - claimed
+        self.pool.slots[slot].messages[claimed:running] = 0  # flags of an earlier lap
+        self.ring.pad(slot, rows)
+        padded = self.padding[1] if self.padding is not None else 0
+        self.padding = (slot, padded + rows)
+        self.closed = claimed
+        return claimed
+
     def unpad(self) -> None:
         """Takes back ``pad``'s rows of a slot main did not consume (its wait
-        ended in an error): envs sent later claim them as usual."""
-        if self.padding is not None:
+        ended in an error): envs sent later claim them as usual. A closed slot's
+        stay: no env can claim them now."""
+        if self.padding is not None and self.closed is None:
             self.ring.unpad(*self.padding)
             self.padding = None
 
@@ -253,7 +285,11 @@ class AsyncWire:
         pool = self.pool
         batch, num_slots = self.batch_size, len(pool.slots)
         claims = []
+        # A closed slot's rows past its batch are padding, claimed by no worker.
+        padded = range(self.consumed_rows + (self.closed or 0), self.consumed_rows + batch)
         for n in range(self.consumed_rows, self.ring.claimed()):
+            if self.closed is not None and n in padded:
+                continue
             slot, row = (n // batch) % num_slots, n % batch
             claims.append((slot, row, int(pool.slots[slot].env_ids[row])))
         running = {

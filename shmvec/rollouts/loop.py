@@ -5,7 +5,9 @@ tells the book what came back, through the vector env's public async API
 
 An env whose trajectory ends starts its next one at once; there is no turn
 barrier. Each received batch's rows that await an action go to the policy's
-runner at once; its answers are sent on the loop's next pass.
+runner at once; its answers are sent on the loop's next pass. For a per-row
+policy a row waits at most ``POLL_S`` for its batch to fill: the loop then
+takes the rows that are in (``recv(take_ready=True)``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ FAILURE_INFOS = {
 #: How long one ``recv`` blocks before the loop looks at its stop flag again.
 RECV_SLICE_S = 0.25
 #: How long ``recv`` blocks while policy answers may come in: an answer waits
-#: at most this long to be sent (small beside a policy call).
+#: at most this long to be sent (small beside a policy call); and how long a row
+#: for a per-row policy waits for its batch to fill.
 POLL_S = 0.002
 
 
@@ -140,9 +143,12 @@ class Loop:
         """Receives a batch (fewer rows when fewer envs run), records it and hands
         the rows that await an action to the policy's runner."""
         running = len(self.book.busy)
-        timeout = POLL_S if self.runner.outstanding else RECV_SLICE_S
+        per_row = self.runner.per_row
+        timeout = POLL_S if self.runner.outstanding or per_row else RECV_SLICE_S
         try:
-            result = self.envs.recv(timeout=timeout, partial=running < self.batch_size)
+            result = self.envs.recv(
+                timeout=timeout, partial=running < self.batch_size, take_ready=per_row
+            )
         except (multiprocessing.TimeoutError, TimeoutError):
             return
         with self.changed:

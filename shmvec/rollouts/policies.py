@@ -109,6 +109,10 @@ class BusyClock:
 class PolicyRunner:
     """What both runners share: answers handed back, and the busy clock."""
 
+    #: Whether each row is answered on its own (the loop then hands rows over as
+    #: they come, not by full batches).
+    per_row = False
+
     def __init__(self, version: Callable[[], int], on_answer: Callable[[], None]) -> None:
         self.version, self.on_answer = version, on_answer
         self.answers: deque[RowAnswer] = deque()
@@ -146,6 +150,8 @@ class AsyncPolicyRunner(PolicyRunner):
     the event loop's thread) after each answer, to wake the rollout loop. The
     policy is busy while at least one call runs.
     """
+
+    per_row = True
 
     def __init__(
         self, policy: AsyncPolicy, version: Callable[[], int], on_answer: Callable[[], None]
