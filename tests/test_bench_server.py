@@ -4,6 +4,7 @@ requests, and the figures it reports."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
@@ -120,6 +121,32 @@ def test_cli_prints_the_server_table(tmp_path, capsys, tiny_tokenizer, tiny_llm_
         assert "| ok |" in row, row
     shm_row = next(line for line in table.splitlines() if "| shmvec (no lag bound) |" in line)
     assert shm_row.count("x") >= 2  # its groups/s against each peer
+
+
+def test_gc_freeze_freezes_for_the_runs_only(tmp_path, capsys, tiny_tokenizer, tiny_llm_path):
+    frozen_in_runs = []
+    with FakeServer(tiny_tokenizer, max_model_len=4096) as server:
+        with pytest.MonkeyPatch.context() as patch:
+            import shmvec_bench.rollouts.cli as cli
+
+            def noting_measure(*args, **kwargs):
+                frozen_in_runs.append(gc.get_freeze_count())
+                return real_measure(*args, **kwargs)
+
+            real_measure = cli.measure
+            patch.setattr(cli, "measure", noting_measure)
+            main(
+                [
+                    "--policy", "server", "--server-url", server.base_url,
+                    "--tokenizer", str(tiny_llm_path), "--workloads", "tool", "--num-envs", "8",
+                    "--group-size", "4", "--seconds", "0.5", "--repeats", "1", "--max-lag", "-1",
+                    "--backends", "shmvec", "--gc-freeze", "--out", str(tmp_path),
+                ]
+            )  # fmt: skip
+    out, _ = capsys.readouterr()
+    assert "the start-up heap frozen (gc.freeze) for every runner" in out
+    assert len(frozen_in_runs) == 1 and frozen_in_runs[0] > 0
+    assert gc.get_freeze_count() == 0
 
 
 def test_parse_sums_adds_the_request_time_sums_over_engines():

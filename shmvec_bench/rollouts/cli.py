@@ -10,6 +10,7 @@ the machine it ran on.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import os
 import signal
@@ -149,6 +150,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="runs per row, taken in turns across the runners (default: 3)",
     )  # fmt: skip
     parser.add_argument(
+        "--gc-freeze", action="store_true",
+        help="gc.collect(); gc.freeze() before the runs, for every runner alike: the start-up "
+        "heap is left out of every later collection, as the rollouts guide tells trainers",
+    )  # fmt: skip
+    parser.add_argument(
         "--timeout", type=float, default=120.0, metavar="S",
         help="a run with no batch for this long is reported as hung (default: 120)",
     )  # fmt: skip
@@ -250,6 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack.callback(os.sched_setaffinity, 0, os.sched_getaffinity(0))
         os.sched_setaffinity(0, runner_cpus)
         server = stack.enter_context(open_server(args)) if "server" in policies else None
+        if args.gc_freeze:
+            gc.collect()
+            gc.freeze()
+            stack.callback(gc.unfreeze)
         for workload, policy in itertools.product(args.workloads, policies):
             if policy == "server":
                 skipped = [b for b in backends if b not in SERVER_BACKENDS]
@@ -308,9 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.server_cpus is not None
         else ""
     )
+    frozen = "; the start-up heap frozen (gc.freeze) for every runner" if args.gc_freeze else ""
     print(
         f"medians of up to {args.repeats} runs; {args.num_envs} envs, groups of "
-        f"{args.group_size}, {args.seconds:g} s windows{placed}"
+        f"{args.group_size}, {args.seconds:g} s windows{placed}{frozen}"
     )
     print()
     print(markdown_table(medians))
