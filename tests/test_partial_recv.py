@@ -6,6 +6,8 @@ import multiprocessing
 import os
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import envs as test_envs
 import gymnasium as gym
@@ -458,6 +460,25 @@ class Counts:
         return ids
 
 
+def dying_envs(
+    n: int, batch: int, monkeypatch, noting: Callable[[AsyncWire], Any]
+) -> tuple[shmvec.ShmVectorEnv, Counts, list]:
+    """``n`` DiesWhenTold envs on 4 workers, restarted when they die; their
+    Counts; and a list that gets ``noting(wire)`` at each restart."""
+    envs = shmvec.ShmVectorEnv(
+        [test_envs.DiesWhenTold] * n, num_workers=4, batch_size=batch, on_worker_death="restart"
+    )
+    at_restart: list = []
+    replace_dead = Supervisor.replace_dead
+
+    def noting_restart(self, dead, read=frozenset()):
+        at_restart.append(noting(envs._async.wire))
+        return replace_dead(self, dead, read)
+
+    monkeypatch.setattr(Supervisor, "replace_dead", noting_restart)
+    return envs, Counts(n), at_restart
+
+
 @pytest.mark.parametrize("where", ["step", "obs", "info"])
 def test_a_worker_killed_while_a_padded_slot_is_pending(where, monkeypatch):
     """Three envs run, so recv(partial=True) pads the slot; the worker of one of
@@ -465,19 +486,8 @@ def test_a_worker_killed_while_a_padded_slot_is_pending(where, monkeypatch):
     hangs; every env's result comes back exactly once, the restarted env's as a
     truncation with ``worker_restarted``; the ordinary cycle then goes on."""
     n, batch = 8, 4
-    envs = shmvec.ShmVectorEnv(
-        [test_envs.DiesWhenTold] * n, num_workers=4, batch_size=batch, on_worker_death="restart"
-    )
-    counts = Counts(n)
+    envs, counts, padding_at_restart = dying_envs(n, batch, monkeypatch, lambda w: w.padding)
     one = np.ones(1, dtype=np.int64)
-    padding_at_restart = []
-    replace_dead = Supervisor.replace_dead
-
-    def noting_padding(self, dead, read=frozenset()):
-        padding_at_restart.append(envs._async.wire.padding)
-        return replace_dead(self, dead, read)
-
-    monkeypatch.setattr(Supervisor, "replace_dead", noting_padding)
     try:
         envs.async_reset(seed=0)
         for _ in range(n // batch):
@@ -511,19 +521,8 @@ def test_a_worker_killed_while_rows_are_taken_ready(monkeypatch):
     every env's result comes back exactly once, env 0's as a truncation with
     ``worker_restarted``; the cycle then goes on with short takes."""
     n, batch = 8, 4
-    envs = shmvec.ShmVectorEnv(
-        [test_envs.DiesWhenTold] * n, num_workers=4, batch_size=batch, on_worker_death="restart"
-    )
-    counts = Counts(n)
+    envs, counts, closed_at_restart = dying_envs(n, batch, monkeypatch, lambda w: w.closed)
     one = np.ones(1, dtype=np.int64)
-    closed_at_restart = []
-    replace_dead = Supervisor.replace_dead
-
-    def noting_closed(self, dead, read=frozenset()):
-        closed_at_restart.append(envs._async.wire.closed)
-        return replace_dead(self, dead, read)
-
-    monkeypatch.setattr(Supervisor, "replace_dead", noting_closed)
 
     def take(timeout: float) -> list[int]:
         try:
