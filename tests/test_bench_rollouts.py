@@ -196,3 +196,47 @@ def test_policies_answer_every_row_from_the_vocabulary(name):
     assert len(answers) == 3 and set(answers) <= set(actions)
     busy_s, calls, rows = policy.clock.snapshot()
     assert busy_s > 0 and (calls, rows) == (1, 3)
+
+
+def test_the_batcher_skips_cancelled_requests_and_fails_the_pending_at_close(monkeypatch):
+    """A request cancelled while it waits (a rollout closing) is never answered and breaks
+    nothing; the requests pending at close fail with Stopped; no thread raises."""
+    import threading
+
+    from shmvec_bench.rollouts.policies import Batcher, Stopped
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    release, calls = threading.Event(), []
+
+    def policy(observations):
+        calls.append(list(observations))
+        release.wait(10)
+        return [o.upper() for o in observations]
+
+    batcher = Batcher(policy)
+    first = batcher.submit("a")
+    while not calls:  # the first batch is running
+        time.sleep(0.001)
+    cancelled, kept = batcher.submit("b"), batcher.submit("c")
+    assert cancelled.cancel()
+    release.set()
+    assert first.result(10) == "A" and kept.result(10) == "C"
+    assert calls == [["a"], ["c"]]
+    release.clear()
+    busy = batcher.submit("d")
+    while len(calls) < 3:
+        time.sleep(0.001)
+    pending = batcher.submit("e")
+    closing = threading.Thread(target=batcher.close)
+    closing.start()
+    while not batcher._stop:  # closed while "d" runs: "e" is pending at close
+        time.sleep(0.001)
+    release.set()
+    closing.join(10)
+    assert busy.result(10) == "D"
+    with pytest.raises(Stopped):
+        pending.result(10)
+    with pytest.raises(Stopped):
+        batcher.submit("f")
+    assert not raised

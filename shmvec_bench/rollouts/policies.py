@@ -172,11 +172,17 @@ class Batcher:
             with self._cond:
                 while not self._pending and not self._stop:
                     self._cond.wait()
+                # A caller may have cancelled its future (a rollout closing); the others
+                # are running from here on and can no longer be cancelled.
+                taken = [(o, f) for o, f in self._pending if f.set_running_or_notify_cancel()]
+                self._pending = []
                 if self._stop:
-                    for _, future in self._pending:
+                    for _, future in taken:
                         future.set_exception(Stopped("the batcher is closed"))
                     return
-                batch, self._pending = self._pending, []
+                batch = taken
+            if not batch:
+                continue
             try:
                 actions = self.policy([obs for obs, _ in batch])
             except BaseException as exc:  # every caller hears of it
