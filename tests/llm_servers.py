@@ -74,6 +74,7 @@ class FakeServer:
         self.ordinary = np.array([i for i in range(len(tokenizer)) if i not in specials])
         self.eos = tokenizer.eos_token_id
         self.seen: list[Seen] = []
+        self.peer_ports: list[int] = []  # the client's port of each request: its connection
         self.active = 0
         self.max_active = 0
         self.answering_s = 0.0  # summed over the requests answered
@@ -131,6 +132,7 @@ class FakeServer:
 
         if not self.openai:
             return web.Response(text="<html>hello</html>", content_type="text/html")
+        self.peer_ports.append(request.transport.get_extra_info("peername")[1])
         path = request.path
         if path == "/v1/models":
             data = [

@@ -371,3 +371,28 @@ def test_many_failures_keep_envs_in_order(tiny_tokenizer):
     assert stats["launched"] == (
         stats["completed"] + sum(stats["dropped"].values()) + stats["in_flight"]
     ), f"seed {seed}"
+
+
+def test_a_connection_idle_past_the_keep_alive_is_not_reused(tiny_tokenizer, monkeypatch):
+    """The client reuses a connection idle for less than ``KEEPALIVE_S`` and opens a new one
+    after, so that it never sends on a connection the server may be closing (a server's
+    keep-alive is longer: uvicorn's 5 s)."""
+    from shmvec.rollouts import server_client
+
+    monkeypatch.setattr(server_client, "KEEPALIVE_S", 0.3)
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "logprobs": 1}
+
+    async def three_requests(url: str) -> None:
+        client = server_client.make_client(url, "x", 4, Retry())
+        try:
+            for gap in (0.0, 0.05, 0.8):
+                await asyncio.sleep(gap)
+                await server_client.post_completions(client, body)
+        finally:
+            await client.close()
+
+    with FakeServer(tiny_tokenizer) as server:
+        asyncio.run(three_requests(server.base_url))
+        first, again, later = server.peer_ports
+    assert again == first  # idle 0.05 s: reused
+    assert later != first  # idle 0.8 s: a new connection
