@@ -19,12 +19,13 @@ process's CPU, the collector's share of it and its seconds and collections by ge
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
 from collections import defaultdict
 
-from shmvec_bench.rollouts.runner import measure
+from shmvec_bench.rollouts.runner import RAISED_GC_THRESHOLD, frozen_heap, measure
 from shmvec_bench.rollouts.server import ServerConfig
 
 
@@ -62,12 +63,7 @@ def main() -> None:
         nargs="+",
         default=["plain", "freeze"],
         choices=["plain", "freeze", "tuned"],
-        help="tuned: freeze, and gc.set_threshold(--threshold) for the run",
-    )
-    parser.add_argument(
-        "--threshold",
-        default="10000,20,10",
-        help="tuned's collection thresholds, gen0,gen1,gen2 (Python's default: 700,10,10)",
+        help="tuned: freeze, and the raised collection thresholds (RAISED_GC_THRESHOLD)",
     )
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -96,24 +92,22 @@ def run(args: argparse.Namespace, config: ServerConfig) -> None:
     results: dict[str, list[tuple[float, ...]]] = defaultdict(list)
     for r in range(args.rounds):
         for way in args.ways:
-            default = gc.get_threshold()
-            if way in ("freeze", "tuned"):
-                gc.collect()
-                gc.freeze()
-            if way == "tuned":
-                gc.set_threshold(*(int(t) for t in args.threshold.split(",")))
-            frozen = gc.get_freeze_count()
-            tracked = len(gc.get_objects()) + frozen
-            cpu0, n0 = collector.reading()
-            process0 = time.process_time()
-            m = measure(
-                "tool", args.backend, "server", num_envs=args.num_envs, group_size=8,
-                seconds=args.seconds, timeout=400, max_lag=None, server=config, seed=r,
-            )  # fmt: skip
-            process = time.process_time() - process0
-            cpu1, n1 = collector.reading()
-            gc.unfreeze()
-            gc.set_threshold(*default)
+            heap = {
+                "plain": contextlib.nullcontext(),
+                "freeze": frozen_heap(),
+                "tuned": frozen_heap(RAISED_GC_THRESHOLD),
+            }[way]
+            with heap:
+                frozen = gc.get_freeze_count()
+                tracked = len(gc.get_objects()) + frozen
+                cpu0, n0 = collector.reading()
+                process0 = time.process_time()
+                m = measure(
+                    "tool", args.backend, "server", num_envs=args.num_envs, group_size=8,
+                    seconds=args.seconds, timeout=400, max_lag=None, server=config, seed=r,
+                )  # fmt: skip
+                process = time.process_time() - process0
+                cpu1, n1 = collector.reading()
             gc_s = {g: cpu1.get(g, 0.0) - cpu0.get(g, 0.0) for g in (0, 1, 2)}
             counts = {g: n1.get(g, 0) - n0.get(g, 0) for g in (0, 1, 2)}
             share = sum(gc_s.values()) / process

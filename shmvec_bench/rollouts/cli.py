@@ -10,7 +10,6 @@ the machine it ran on.
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import os
 import signal
@@ -25,7 +24,7 @@ from shmvec_bench.report import machine_summary, warn_if_busy
 from shmvec_bench.rollouts.backends import REGISTRY
 from shmvec_bench.rollouts.policies import POLICIES, policy_available
 from shmvec_bench.rollouts.report import markdown_table, server_table, write_csv, write_plot
-from shmvec_bench.rollouts.runner import measure, median_row
+from shmvec_bench.rollouts.runner import frozen_heap, measure, median_row
 from shmvec_bench.rollouts.server import ServerConfig
 from shmvec_bench.rollouts.workloads import WORKLOADS
 
@@ -257,9 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.sched_setaffinity(0, runner_cpus)
         server = stack.enter_context(open_server(args)) if "server" in policies else None
         if args.gc_freeze:
-            gc.collect()
-            gc.freeze()
-            stack.callback(gc.unfreeze)
+            stack.enter_context(frozen_heap())
         for workload, policy in itertools.product(args.workloads, policies):
             if policy == "server":
                 skipped = [b for b in backends if b not in SERVER_BACKENDS]

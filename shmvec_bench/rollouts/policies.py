@@ -174,13 +174,12 @@ class Batcher:
                     self._cond.wait()
                 # A caller may have cancelled its future (a rollout closing); the others
                 # are running from here on and can no longer be cancelled.
-                taken = [(o, f) for o, f in self._pending if f.set_running_or_notify_cancel()]
+                batch = [(o, f) for o, f in self._pending if f.set_running_or_notify_cancel()]
                 self._pending = []
                 if self._stop:
-                    for _, future in taken:
+                    for _, future in batch:
                         future.set_exception(Stopped("the batcher is closed"))
                     return
-                batch = taken
             if not batch:
                 continue
             try:

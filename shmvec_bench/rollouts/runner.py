@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import random
@@ -29,7 +30,8 @@ import statistics
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -42,6 +44,25 @@ from shmvec_bench.rollouts.server import ServerConfig, ServerRun
 from shmvec_bench.rollouts.workloads import RELEASE_HANGS, WORKLOADS, is_straggler
 from shmvec_bench.rss import descendants, tree_cpu_s, tree_pss_mib
 from shmvec_bench.runner import MeasurementTimeout, deadline
+
+#: Collection thresholds the collector's A/Bs set beside freezing (Python's default: 700, 10, 10).
+RAISED_GC_THRESHOLD = (10_000, 20, 10)
+
+
+@contextmanager
+def frozen_heap(threshold: tuple[int, int, int] | None = None) -> Iterator[None]:
+    """``gc.collect(); gc.freeze()`` for the block, every runner in it alike (and, given, the
+    collection thresholds ``threshold``); the heap unfrozen and the thresholds restored after."""
+    default = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    if threshold is not None:
+        gc.set_threshold(*threshold)
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*default)
 
 
 @dataclass
