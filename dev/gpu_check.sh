@@ -36,10 +36,15 @@ part() {  # name, time limit (s), command...: runs under the smaller of the limi
 part tests 75 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_torch.py tests/test_start_method.py \
   "tests/test_bench.py::test_handoff_on_the_cpu"
 part handoff 70 $B --workloads handoff --device cuda --seconds 1 --warmup 0.5 --out "$W/handoff"
-part handoff-ab 180 "$PY" dev/handoff_probe.py --ab --seconds 0.3 --rounds 4
+part handoff-ab 150 "$PY" dev/handoff_probe.py --ab --seconds 0.3 --rounds 3
 P=("$PY" examples/ppo_atari.py --num-envs 64 --total-timesteps 32768)
 part ppo-sync 90 "${P[@]}" --vector shmvec,gymnasium-async,envpool
 part ppo-async 50 "${P[@]}" --async-envs --vector shmvec,envpool
+# What the main process's core costs a sync-mode PPO loop: shmvec's default (on 16 cores,
+# 16 pinned workers, one on main's core) against unpinned workers and against 15 workers,
+# alternated; compare the final lines' steady_steps_per_s.
+part ppo-ab 110 bash -c "for round in 1 2; do for way in '' --no-pin-workers '--num-workers 15'; do
+  echo \"== round \$round: \${way:-default}\"; ${P[*]} --vector shmvec \$way; done; done"
 part sweep 160 $B --workloads cpu100us cartpole pong --num-envs 16 64 256 \
   --backends shmvec shmvec-async async envpool single --out "$W/sweep"
 part sweep-pufferlib 100 $B --workloads cpu100us cartpole pong --num-envs 60 240 \

@@ -100,6 +100,9 @@ class Args:
     """the number of parallel environments"""
     num_workers: int | None = None
     """shmvec worker processes (None: min(num_envs, cpus))"""
+    pin_workers: bool | None = None
+    """shmvec: keep each worker process on one CPU (None: shmvec's default, which pins
+    in sync mode from 8 cores on when the workers fill the cores)"""
     vector: str = "shmvec"
     """what steps the envs: shmvec, gymnasium-async or envpool; a comma-separated
     list runs each in turn"""
@@ -411,9 +414,13 @@ def make_vector(name: str, args: Args, device: torch.device):
             autoreset_mode=AutoresetMode.SAME_STEP,
             num_workers=args.num_workers,
             batch_size=args.env_batch_size,
+            pin_workers=args.pin_workers,
         )
         envs = TorchVectorEnv(shm, device=device)
-        about = f"shmvec workers={shm.num_workers} batch_size={args.env_batch_size}"
+        about = (
+            f"shmvec workers={shm.num_workers} batch_size={args.env_batch_size} "
+            f"pinned={shm.pin_workers}"
+        )
         if args.async_envs:
             return ShmAsyncVector(envs), about
         return StepVector(envs, args.num_envs, device, to_tensor=False), about
@@ -476,15 +483,13 @@ def main(args: Args) -> dict[str, Any]:
     if not results:
         raise VectorUnavailableError(f"none of --vector {args.vector!r} is installed")
     if len(results) > 1:
-        base = results[0]["steps_per_s"]
-        print(
-            "compare: "
-            + " ".join(
-                f"{r['vector']}={r['steps_per_s']:.0f} ({r['steps_per_s'] / base:.2f}x)"
-                for r in results
-            ),
-            flush=True,
-        )
+        for key in ("steps_per_s", "steady_steps_per_s"):
+            base = results[0][key]
+            print(
+                f"compare {key}: "
+                + " ".join(f"{r['vector']}={r[key]:.0f} ({r[key] / base:.2f}x)" for r in results),
+                flush=True,
+            )
     return results[-1]
 
 
@@ -606,6 +611,7 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
     rollout = Rollout(rows, n, obs_shape, device)
 
     returns_last20: deque[float] = deque(maxlen=20)
+    iteration_rates: list[float] = []  # each iteration's own steps/s
     episodes = 0
     global_step = 0
     rollouts_s = 0.0  # time spent collecting (the rest is the update)
@@ -661,13 +667,14 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
         rollout.carry_open_entries()
 
         now = time.perf_counter()
+        iteration_rates.append(completed / (now - iteration_started))
         mean_return = float(np.mean(returns_last20)) if returns_last20 else float("nan")
         shown = " ".join(f"{r:g}" for r in iteration_returns[:8])
         more = f" +{len(iteration_returns) - 8}" if len(iteration_returns) > 8 else ""
         print(
             f"iter {iteration}/{args.num_iterations} step={global_step} "
             f"sps={int(global_step / (now - started))} "
-            f"iter_sps={int(completed / (now - iteration_started))} "
+            f"iter_sps={int(iteration_rates[-1])} "
             f"rollout_s={rollout_s:.2f} update_s={now - iteration_started - rollout_s:.2f} "
             f"episodes={episodes} returns=[{shown}{more}] "
             f"mean_return_last20={mean_return:.1f} "
@@ -680,6 +687,11 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
     result = {
         "mean_return_last20": float(np.mean(returns_last20)) if returns_last20 else float("nan"),
         "steps_per_s": global_step / wall,
+        # Past the first iteration, which holds the start-up (workers, CUDA's first
+        # kernels): the rate to compare vectors by.
+        "steady_steps_per_s": (
+            float(np.median(iteration_rates[1:])) if len(iteration_rates) > 1 else float("nan")
+        ),
         "rollout_steps_per_s": global_step / rollouts_s,
         "total_steps": global_step,
         "num_envs": n,
@@ -691,7 +703,8 @@ def _train(args: Args, envs, obs_shape: tuple, n_actions: int, device) -> dict[s
     }
     print(
         f"final: mean_return_last20={result['mean_return_last20']:.2f} "
-        f"steps_per_s={result['steps_per_s']:.0f} total_steps={global_step} "
+        f"steps_per_s={result['steps_per_s']:.0f} "
+        f"steady_steps_per_s={result['steady_steps_per_s']:.0f} total_steps={global_step} "
         f"rollout_steps_per_s={result['rollout_steps_per_s']:.0f} "
         f"vector={args.vector} async_envs={args.async_envs}",
         flush=True,

@@ -24,7 +24,8 @@ HAS_ALE = importlib.util.find_spec("ale_py") is not None and importlib.util.find
 needs_ale = pytest.mark.skipif(not HAS_ALE, reason="needs ale-py and opencv (shmvec[atari])")
 FINAL = re.compile(
     r"^final: mean_return_last20=(?P<ret>\S+) steps_per_s=(?P<sps>\d+) "
-    r"total_steps=(?P<steps>\d+) rollout_steps_per_s=(?P<rollout_sps>\d+) "
+    r"steady_steps_per_s=(?P<steady>\d+|nan) total_steps=(?P<steps>\d+) "
+    r"rollout_steps_per_s=(?P<rollout_sps>\d+) "
     r"vector=(?P<vector>\S+) async_envs=(?P<async>True|False)$"
 )
 
@@ -251,7 +252,10 @@ def test_sync_shmvec_and_gymnasium_train_alike():
     assert [m["vector"] for m in finals] == ["shmvec", "gymnasium-async"]
     for m in finals:
         assert int(m["steps"]) == 128 and int(m["sps"]) > 0 and m["async"] == "False"
-    assert lines[-1].startswith("compare: shmvec=")
+        assert int(m["steady"]) > 0  # the second iteration's rate
+    assert "pinned=False" in lines[0]  # shmvec's default below 8 cores
+    assert lines[-2].startswith("compare steps_per_s: shmvec=")
+    assert lines[-1].startswith("compare steady_steps_per_s: shmvec=")
     iters = [line for line in lines if line.startswith("iter ")]
     assert len(iters) == 4
     # The losses (after "mean_return_last20=") are the same on both vectors.
@@ -262,11 +266,11 @@ def test_sync_shmvec_and_gymnasium_train_alike():
 
 @needs_ale
 def test_async_envs_run():
-    lines = _run("--async-envs")
+    lines = _run("--async-envs", "--pin-workers")
     (final,) = _finals(lines)
     assert lines[-1] == final.group(0)
     assert int(final["sps"]) > 0 and final["async"] == "True"
-    assert "batch_size=2" in lines[0]
+    assert "batch_size=2 pinned=True" in lines[0]
     iters = [line.split()[2] for line in lines if line.startswith("iter ")]
     steps = [int(step.removeprefix("step=")) for step in iters]
     assert len(steps) == 2 and steps[-1] == int(final["steps"])
