@@ -163,6 +163,38 @@ def test_drift_happens_with_random_byte_tokens(tokenizer):
     assert drifted > 10, f"only {drifted}/50 re-rendered prompts differed"
 
 
+def _random_texts(tokenizer, seed: int, count: int) -> list[str]:
+    """Texts of specials, ASCII, accented and CJK letters, digits and whitespace runs."""
+    rng = random.Random(seed)
+    pieces = [*tokenizer.all_special_tokens, " ", "  ", "\n", "\t", "é", "ß", "数", "7", "42"]
+    pieces += ["Guess", " higher", "lower!", "<|im", "_end|>", "\\boxed{3}", "?", "\u00a0"]
+    return ["".join(rng.choices(pieces, k=rng.randrange(1, 40))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chat_encodes_through_the_rust_tokenizer_as_the_tokenizer_does(tokenizer, seed):
+    chat = ChatTokens(tokenizer)
+    assert chat._core is not None, "a fast tokenizer with nothing set is encoded by its core"
+    for text in _random_texts(tokenizer, seed, 300):
+        expected = list(tokenizer.encode(text, add_special_tokens=False))
+        assert chat.encode(text) == expected, f"seed {seed}: {text!r}"
+
+
+def test_a_tokenizer_the_core_would_encode_otherwise_keeps_its_own_encode():
+    """Truncation set on the core, or special tokens split by the wrapper: the wrapper's
+    ``encode`` gives the ids, as before."""
+    truncating = chatml_tokenizer()
+    truncating.backend_tokenizer.enable_truncation(max_length=3)
+    assert ChatTokens(truncating)._core is None
+    splitting = chatml_tokenizer()
+    splitting.split_special_tokens = True
+    chat = ChatTokens(splitting)
+    assert chat._core is None
+    text = "<|im_start|>user\nhi<|im_end|>\n"
+    assert chat.encode(text) == list(splitting.encode(text, add_special_tokens=False))
+    assert splitting.convert_tokens_to_ids("<|im_start|>") not in chat.encode(text)
+
+
 def test_turn_checks_its_lengths():
     with pytest.raises(ValueError, match="one logprob and one version per completion id"):
         TurnTokens([1], [2, 3], [0.0], [0, 0])
