@@ -129,7 +129,7 @@ class ChatTokens:
         ]
         self._base = self._render(self._probe, False)
         specials = [str(t) for t in getattr(tokenizer, "all_special_tokens", []) if t]
-        self._core = _core_encoder(tokenizer, [self._base, _PROBE_TEXT.join(specials)])
+        self._core = _core_encoder(tokenizer, [self._base, _PROBE_TEXT.join(["", *specials, ""])])
         at = self._base.rfind(_PROBE_REPLY)
         if at < 0:
             raise ValueError("the chat template does not render an assistant reply's content")
