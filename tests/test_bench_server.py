@@ -102,6 +102,23 @@ def test_the_failed_requests_asked_again_are_counted_by_kind(tiny_tokenizer):
     assert set(kinds) == {"server_error"} and kinds["server_error"] == m.request_faults > 0
 
 
+def test_a_run_whose_every_group_fails_names_the_policys_failures(tiny_tokenizer):
+    """A server whose context the opening prompt outgrows: every trajectory fails as
+    ``policy_error``, every group is dropped, no batch comes, and the row says why."""
+    from shmvec_bench.rollouts.report import server_table
+
+    with FakeServer(tiny_tokenizer, max_model_len=64, token_delay_s=0.002) as server:
+        config = ServerConfig(server.base_url, "tiny", tiny_tokenizer, max_tokens=8)
+        m = measure(
+            "tool", "shmvec", "server", num_envs=8, group_size=4, seconds=1.0, timeout=4,
+            max_lag=None, server=config,
+        )  # fmt: skip
+    assert m.outcome.startswith("hang: no result after"), m.outcome
+    kinds = {k: int(n) for k, n in (p.split(":") for p in m.policy_failures.split())}
+    assert set(kinds) == {"context_length"} and kinds["context_length"] >= 8
+    assert f"trajectories failed by the policy ({m.policy_failures})" in server_table([m])
+
+
 def test_cli_prints_the_server_table(tmp_path, capsys, tiny_tokenizer, tiny_llm_path):
     with FakeServer(tiny_tokenizer, max_model_len=4096) as server:
         main(
@@ -202,16 +219,20 @@ def test_median_rows_sum_the_token_lags_of_their_runs():
     assert median_row(rows).token_lags == "0:6 1:2 2:4"
 
 
-def test_median_rows_sum_the_kinds_of_their_failed_requests():
+def test_median_rows_sum_the_kinds_of_their_failed_requests_and_trajectories():
     from shmvec_bench.rollouts.report import server_table
     from shmvec_bench.rollouts.runner import RolloutMeasurement, median_row
 
     rows = [RolloutMeasurement("tool", "shmvec", "server", 8, 4) for _ in range(3)]
     for row, faults, kinds in zip(rows, (2, 5, 0), ("timeout:2", "connect:1 timeout:4", "")):
         row.request_faults, row.request_fault_kinds = faults, kinds
+    rows[0].policy_failures, rows[1].policy_failures = "context_length:3", "timeout:1"
     merged = median_row(rows)
     assert merged.request_faults == 2 and merged.request_fault_kinds == "connect:1 timeout:6"
-    assert "2 failed requests retried (all runs: connect:1 timeout:6)" in server_table([merged])
+    assert merged.policy_failures == "context_length:3 timeout:1"
+    table = server_table([merged])
+    assert "2 failed requests retried (all runs: connect:1 timeout:6)" in table
+    assert "trajectories failed by the policy (all runs: context_length:3 timeout:1)" in table
 
 
 def test_server_cpus_are_checked_and_parsed(capsys):

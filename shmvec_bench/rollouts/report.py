@@ -102,6 +102,9 @@ def server_table(rows: Sequence[RolloutMeasurement]) -> str:
         if m.request_faults:
             kinds = m.request_fault_kinds if m.runs <= 1 else f"all runs: {m.request_fault_kinds}"
             outcome += f"; {m.request_faults} failed requests retried ({kinds})"
+        if m.policy_failures:
+            runs = "" if m.runs <= 1 else "all runs: "
+            outcome += f"; trajectories failed by the policy ({runs}{m.policy_failures})"
         lines.append(
             f"| {m.workload} | {m.label} | {m.num_envs} | {_fmt(m.groups_per_s, ',.2f')} "
             f"| {vs if m.backend in SHMVEC else ''} | {_fmt(m.requests_per_s, ',.1f')} "

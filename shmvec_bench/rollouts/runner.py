@@ -117,6 +117,10 @@ class RolloutMeasurement:
     #: ``kind:count`` of those failed requests (``ServerFault.kind``: timeout, connect, ...);
     #: in a median row, summed over its runs.
     request_fault_kinds: str = ""
+    #: ``kind:count`` of the trajectories ``ServerPolicy`` failed as ``policy_error`` (past
+    #: its retries, or a prompt that fills the model's context: ``context_length``), over
+    #: the run; in a median row, summed over its runs.
+    policy_failures: str = ""
     token_lags: str = ""
     #: Trajectories returned that did not end as the game ended them (errors, deaths).
     failed_trajectories: int = 0
@@ -278,6 +282,10 @@ def measure(
             elif failed:
                 # Everything launched and not returned went down with the runner.
                 row.lost_groups = max(0, stream.launched - len(groups))
+            if server_run is not None:
+                # Also after a hang: why the policy failed trajectories (a context the
+                # workload's games outgrow drops every group).
+                row.policy_failures = _pairs(server_run.policy_failures())
             RELEASE_HANGS.set()
             with deadline(30.0):
                 runner.close(terminate=failed)
@@ -381,5 +389,6 @@ def median_row(rows: Sequence[RolloutMeasurement]) -> RolloutMeasurement:
     merged.config, merged.variant = first.config, first.variant
     merged.token_lags = _sum_counts((r.token_lags for r in ok), int)
     merged.request_fault_kinds = _sum_counts(r.request_fault_kinds for r in ok)
+    merged.policy_failures = _sum_counts(r.policy_failures for r in ok)
     merged.runs = len(rows)
     return merged

@@ -266,6 +266,11 @@ class ServerRun:
             return int(self.layer.stats()["requests"])
         return self.log.requests
 
+    def policy_failures(self) -> dict[str, int]:
+        """Trajectories ``ServerPolicy`` failed, by kind, over the run (none for the other
+        runners, whose first failed request ends their run)."""
+        return dict(self.layer.stats()["failed"]) if self.layer is not None else {}
+
     def figures(self) -> dict[str, Any]:
         """Requests since the window started, latency percentiles over the run, the server's
         busy share and batch over the window, interruptions."""
