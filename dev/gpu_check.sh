@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The checks that need a GPU machine, in one run sized to a short loan: the torch and CUDA
-# tests, the GPU hand-off (the benchmark, then the bridge's copy ways alternated with
-# dev/handoff_probe.py --ab), Atari PPO against gymnasium Async and EnvPool, then the many-core
-# sweep against gymnasium Async, EnvPool and PufferLib. Parts run in that order, each under
-# its own time limit and all before END_AT (seconds since the epoch; default: 500 s from
-# now), so that a slow start costs the last part, not the run.
+# tests, the GPU hand-off benchmark, Atari PPO against gymnasium Async and EnvPool (then
+# shmvec's sync loop A/B'd: pinning, workers, TorchVectorEnv), the many-core sweep against
+# gymnasium Async, EnvPool and PufferLib, and last the bridge's copy ways alternated with
+# dev/handoff_probe.py --ab. Parts run in that order, each under its own time limit and all
+# before END_AT (seconds since the epoch; default: 500 s from now), so that a slow start
+# costs the last part, not the run.
 #
 #   bash dev/gpu_check.sh                      (with the `bench`, `atari` and `torch` extras,
 #                                               EnvPool and PufferLib 2.0.2 installed)
@@ -36,19 +37,20 @@ part() {  # name, time limit (s), command...: runs under the smaller of the limi
 part tests 75 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_torch.py tests/test_start_method.py \
   "tests/test_bench.py::test_handoff_on_the_cpu"
 part handoff 70 $B --workloads handoff --device cuda --seconds 1 --warmup 0.5 --out "$W/handoff"
-part handoff-ab 150 "$PY" dev/handoff_probe.py --ab --seconds 0.3 --rounds 3
 P=("$PY" examples/ppo_atari.py --num-envs 64 --total-timesteps 32768)
 part ppo-sync 90 "${P[@]}" --vector shmvec,gymnasium-async,envpool
 part ppo-async 50 "${P[@]}" --async-envs --vector shmvec,envpool
-# What the main process's core costs a sync-mode PPO loop: shmvec's default (on 16 cores,
-# 16 pinned workers, one on main's core) against unpinned workers and against 15 workers,
-# alternated; compare the final lines' steady_steps_per_s.
-part ppo-ab 110 bash -c "for round in 1 2; do for way in '' --no-pin-workers '--num-workers 15'; do
+# Where a sync-mode PPO loop's time goes on shmvec: its default (on 16 cores, 16 pinned
+# workers, one on main's core) against unpinned workers, 15 workers, and the loop copying
+# numpy results itself (no TorchVectorEnv), alternated; compare steady_steps_per_s.
+part ppo-ab 130 bash -c "for round in 1 2; do
+  for way in '' --no-pin-workers '--num-workers 15' --no-torch-env; do
   echo \"== round \$round: \${way:-default}\"; ${P[*]} --vector shmvec \$way; done; done"
-part sweep 160 $B --workloads cpu100us cartpole pong --num-envs 16 64 256 \
+part sweep 120 $B --workloads cpu100us cartpole pong --num-envs 64 256 \
   --backends shmvec shmvec-async async envpool single --out "$W/sweep"
 part sweep-pufferlib 100 $B --workloads cpu100us cartpole pong --num-envs 60 240 \
   --backends shmvec shmvec-async pufferlib single --out "$W/sweep-pufferlib"
+part handoff-ab 120 "$PY" dev/handoff_probe.py --ab --seconds 0.3 --rounds 3
 for d in handoff sweep sweep-pufferlib; do
   cp "$W/$d/results.csv" "$W/$d.csv" 2> /dev/null
   cp "$W/$d/handoff.csv" "$W/$d.csv" 2> /dev/null

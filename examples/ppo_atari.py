@@ -13,14 +13,16 @@ episode returns printed are the raw scores.
 ``--vector`` picks what steps the envs, running the same training loop:
 
 - ``shmvec`` (default): ``shmvec.ShmVectorEnv`` behind ``shmvec.torch.TorchVectorEnv``,
-  which hands observations to ``--device`` (on CUDA: by DMA from pinned shared memory).
+  which hands observations to ``--device`` (on CUDA: by DMA from pinned shared memory);
+  with ``--no-torch-env``, its numpy results moved with ``torch.as_tensor`` as gymnasium's.
 - ``gymnasium-async``: ``gymnasium.vector.AsyncVectorEnv``, results moved with
   ``torch.as_tensor``.
 - ``envpool``: ``envpool.make(..., env_type="gymnasium")`` with the same preprocessing
   (no episodic life, no reward clipping, no fire on reset, sticky actions 0.25).
 
-A comma-separated list runs each in turn with the same seed; the last line
-compares their steps/s.
+A comma-separated list runs each in turn with the same seed; the last two lines
+compare their steps/s over the whole run and past the first iteration
+(``steady_steps_per_s``: the first holds each vector's start-up).
 
 Both shmvec and gymnasium's envs use ``AutoresetMode.SAME_STEP``: the observation
 that follows a done is the first of the next episode, and a truncated episode is
@@ -57,7 +59,8 @@ mode (uint8 frames: 64 envs x 261 rows x 28 KB = 470 MB on the device).
 
 Each iteration prints its steps/s, its time collecting and updating, and the
 returns of the episodes that ended; the last line is ``final: mean_return_last20=<x>
-steps_per_s=<y> total_steps=<z> rollout_steps_per_s=<r> ...`` (``r``: steps per second
+steps_per_s=<y> steady_steps_per_s=<s> total_steps=<z> rollout_steps_per_s=<r> ...``
+(``s``: the median of the iterations' own rates past the first; ``r``: steps per second
 of collecting alone; in async mode the envs also step during the update, which this
 does not count).
 """
@@ -103,6 +106,9 @@ class Args:
     pin_workers: bool | None = None
     """shmvec: keep each worker process on one CPU (None: shmvec's default, which pins
     in sync mode from 8 cores on when the workers fill the cores)"""
+    torch_env: bool = True
+    """shmvec: hand results to the device through TorchVectorEnv (False, sync mode only:
+    the loop moves the numpy results with torch.as_tensor, as for gymnasium's vector env)"""
     vector: str = "shmvec"
     """what steps the envs: shmvec, gymnasium-async or envpool; a comma-separated
     list runs each in turn"""
@@ -184,6 +190,8 @@ def check_args(args: Args) -> list[str]:
             "--async-envs needs send/recv of half the envs, which gymnasium's AsyncVectorEnv "
             "does not have: run gymnasium-async without --async-envs"
         )
+    if args.async_envs and not args.torch_env:
+        raise ValueError("--async-envs runs shmvec through TorchVectorEnv: drop --no-torch-env")
     if args.async_envs and (args.num_envs < 2 or args.num_envs % 2):
         raise ValueError(f"--async-envs needs an even num_envs >= 2, got {args.num_envs}")
     if args.num_iterations < 1:
@@ -416,11 +424,13 @@ def make_vector(name: str, args: Args, device: torch.device):
             batch_size=args.env_batch_size,
             pin_workers=args.pin_workers,
         )
-        envs = TorchVectorEnv(shm, device=device)
         about = (
             f"shmvec workers={shm.num_workers} batch_size={args.env_batch_size} "
-            f"pinned={shm.pin_workers}"
+            f"pinned={shm.pin_workers} torch_env={args.torch_env}"
         )
+        if not args.torch_env:
+            return StepVector(shm, args.num_envs, device, to_tensor=True), about
+        envs = TorchVectorEnv(shm, device=device)
         if args.async_envs:
             return ShmAsyncVector(envs), about
         return StepVector(envs, args.num_envs, device, to_tensor=False), about

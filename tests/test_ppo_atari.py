@@ -199,6 +199,8 @@ def test_parse_and_check_args(ppo):
         ppo.check_args(ppo.Args(vector="gymnasium-async", async_envs=True))
     with pytest.raises(ValueError, match="each must be one of"):
         ppo.check_args(ppo.Args(vector="shmvec,subproc"))
+    with pytest.raises(ValueError, match="drop --no-torch-env"):
+        ppo.check_args(ppo.Args(async_envs=True, torch_env=False))
     with pytest.raises(ValueError, match="even num_envs"):
         ppo.check_args(ppo.Args(num_envs=5, async_envs=True))
     with pytest.raises(ValueError, match="less than one rollout"):
@@ -245,15 +247,18 @@ def _finals(lines: list[str]) -> list[re.Match]:
 
 
 @needs_ale
-def test_sync_shmvec_and_gymnasium_train_alike():
-    """Both vectors in one run: same seed, same envs, so the same losses."""
-    lines = _run("--vector", "shmvec,gymnasium-async")
+@pytest.mark.parametrize("torch_env", [[], ["--no-torch-env"]], ids=["torch-env", "numpy"])
+def test_sync_shmvec_and_gymnasium_train_alike(torch_env):
+    """Both vectors in one run: same seed, same envs, so the same losses (shmvec's results
+    through TorchVectorEnv or as numpy arrays)."""
+    lines = _run("--vector", "shmvec,gymnasium-async", *torch_env)
     finals = _finals(lines)
     assert [m["vector"] for m in finals] == ["shmvec", "gymnasium-async"]
     for m in finals:
         assert int(m["steps"]) == 128 and int(m["sps"]) > 0 and m["async"] == "False"
         assert int(m["steady"]) > 0  # the second iteration's rate
     assert "pinned=False" in lines[0]  # shmvec's default below 8 cores
+    assert f"torch_env={not torch_env}" in lines[0]
     assert lines[-2].startswith("compare steps_per_s: shmvec=")
     assert lines[-1].startswith("compare steady_steps_per_s: shmvec=")
     iters = [line for line in lines if line.startswith("iter ")]
