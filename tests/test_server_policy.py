@@ -130,7 +130,8 @@ def test_dropped_stream_keeps_its_tokens(tiny_tokenizer):
 
 
 def test_server_that_starts_late_is_waited_for(tiny_tokenizer):
-    """Connections are refused until the server listens: the rows wait and retry."""
+    """Connections are refused until the server listens: the rows wait and retry. The server
+    starts once a refusal is counted (a fixed delay would race the rollouts' own start)."""
     port = free_port()
     late = FakeServer(tiny_tokenizer, port=port)
     pol = ServerPolicy(
@@ -141,7 +142,14 @@ def test_server_that_starts_late_is_waited_for(tiny_tokenizer):
         sampling=Sampling(max_tokens=8),
         retry=Retry(attempts=40, backoff_s=0.05, max_backoff_s=0.2),
     )
-    starter = threading.Timer(1.0, late.start)
+
+    def start_after_a_refusal() -> None:
+        deadline = time.monotonic() + 60.0
+        while not pol.stats()["faults"].get("connect") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        late.start()
+
+    starter = threading.Thread(target=start_after_a_refusal)
     starter.start()
     try:
         groups, stats = run(pol, groups=2)
