@@ -224,7 +224,8 @@ def _core_encoder(tokenizer: Any, probes: Sequence[str]) -> Callable[[str], list
         return None
 
     def encode(text: str) -> list[int]:
-        return list(core.encode(text, add_special_tokens=False).ids)
+        ids: list[int] = core.encode(text, add_special_tokens=False).ids  # a new list each call
+        return ids
 
     for text in probes:
         if encode(text) != list(tokenizer.encode(text, add_special_tokens=False)):
