@@ -58,18 +58,20 @@ SEGMENTS = ("recv->ask", "ask->act", "act->request", "request", "request->answer
 #: thread that wants the GIL waits before it asks the holder to drop it, 0.005 by default;
 #: how the rollout loop hands rows to the policy's event loop: "batch" (one wake-up per
 #: batch of rows, as shmvec does), "row" (``asyncio.run_coroutine_threadsafe`` per row) or
-#: "full" (as "batch", and the loop takes full batches only, never ``recv(take_ready=True)``).
+#: "full" (as "batch", and the loop takes full batches only, never ``recv(take_ready=True)``);
+#: the policy's event loop: "asyncio" or "uvloop" (``uvloop.new_event_loop``).
 #: The workers fork, so that the choice made here reaches them.
-VARIANTS: dict[str, tuple[str, dict[str, Any], str, float, str]] = {
-    "default": ("rule", {}, "aiohttp", 0.005, "batch"),
-    "placed": ("always", {}, "aiohttp", 0.005, "batch"),
-    "unplaced": ("never", {}, "aiohttp", 0.005, "batch"),
-    "batch4": ("rule", {"batch_size": 4}, "aiohttp", 0.005, "batch"),
-    "batch1": ("rule", {"batch_size": 1}, "aiohttp", 0.005, "batch"),
-    "full-batches": ("rule", {}, "aiohttp", 0.005, "full"),
-    "httpx": ("rule", {}, "httpx", 0.005, "batch"),
-    "switch1ms": ("rule", {}, "aiohttp", 0.001, "batch"),
-    "submit-per-row": ("rule", {}, "aiohttp", 0.005, "row"),
+VARIANTS: dict[str, tuple[str, dict[str, Any], str, float, str, str]] = {
+    "default": ("rule", {}, "aiohttp", 0.005, "batch", "asyncio"),
+    "placed": ("always", {}, "aiohttp", 0.005, "batch", "asyncio"),
+    "unplaced": ("never", {}, "aiohttp", 0.005, "batch", "asyncio"),
+    "batch4": ("rule", {"batch_size": 4}, "aiohttp", 0.005, "batch", "asyncio"),
+    "batch1": ("rule", {"batch_size": 1}, "aiohttp", 0.005, "batch", "asyncio"),
+    "full-batches": ("rule", {}, "aiohttp", 0.005, "full", "asyncio"),
+    "httpx": ("rule", {}, "httpx", 0.005, "batch", "asyncio"),
+    "switch1ms": ("rule", {}, "aiohttp", 0.001, "batch", "asyncio"),
+    "submit-per-row": ("rule", {}, "aiohttp", 0.005, "row", "asyncio"),
+    "uvloop": ("rule", {}, "aiohttp", 0.005, "batch", "uvloop"),
 }
 
 
@@ -318,6 +320,7 @@ def main() -> None:
     install()
     place_cpu, share = worker._worker_cpu, concurrent_envs.NEIGHBOUR_SHARE
     batch_submit = policies.AsyncPolicyRunner.submit
+    new_loop = asyncio.new_event_loop
     aiohttp_client = openai.DefaultAioHttpClient
     model = tiny_llm()
     cpus = None if args.server_cpus is None else {int(c) for c in args.server_cpus.split(",")}
@@ -351,8 +354,11 @@ def main() -> None:
         with heap:
             for r in range(args.rounds):
                 for name in args.variant or ["default"]:
-                    placement, knobs, transport, switch_s, submit = VARIANTS[name]
+                    placement, knobs, transport, switch_s, submit, loop = VARIANTS[name]
                     sys.setswitchinterval(switch_s)
+                    asyncio.new_event_loop = (  # type: ignore[assignment]
+                        new_loop if loop == "asyncio" else __import__("uvloop").new_event_loop
+                    )
                     policies.AsyncPolicyRunner.submit = (  # type: ignore[method-assign]
                         _submit_per_row if submit == "row" else batch_submit
                     )

@@ -37,6 +37,7 @@ class Config:
     groups_per_batch: int
     max_steps: int | None
     fault_rate: float
+    end_rate: float  # rows whose trajectory the policy ends (EndTrajectory)
 
     @classmethod
     def draw(cls, rng: random.Random, on_stale: str, mode: str) -> Config:
@@ -53,6 +54,7 @@ class Config:
             groups_per_batch=rng.randint(1, 4),
             max_steps=rng.choice([None, 1, 3]),
             fault_rate=rng.choice([0.0, 0.05, 0.2]),
+            end_rate=rng.choice([0.0, 0.0, 0.05, 0.2]),
         )
 
 
@@ -169,10 +171,22 @@ class BookModel:
         if not self.calls:
             return
         stamp, rows = self.calls.pop(self.rng.randrange(len(self.calls)))
-        for traj, env in rows:
+        # As the loop takes a call's answers: the rows the policy failed (PolicyFailure) or
+        # ended (EndTrajectory) first, then the actions of those still running.
+        outcomes = [self.rng.random() for _ in rows]
+        c = self.config
+        for (traj, env), u in zip(rows, outcomes):
             if traj.status is not Status.RUNNING:
                 continue  # cancelled meanwhile
             assert self.book.on_env[env] is traj and env not in self.book.busy
+            if u < c.fault_rate / 2:
+                self.book.failed(traj, Status.POLICY_ERROR, "a simulated policy failure", self.now)
+            elif u < c.fault_rate / 2 + c.end_rate:
+                self.book.policy_ended(traj, "a simulated end", self.now)
+                assert traj.status is Status.POLICY_ENDED and self.book.on_env[env] is not traj
+        for traj, env in rows:
+            if traj.status is not Status.RUNNING:
+                continue  # cancelled, failed or ended meanwhile
             if self.book.answered(traj, self.rng.randint(0, 2), None, stamp, self.now):
                 self.inflight[env] = "step"
 

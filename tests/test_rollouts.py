@@ -19,7 +19,9 @@ from rollout_envs import GatedResetEnv, GlobalRandomEnv, TaskEnv, obs_policy
 import shmvec
 from shmvec.rollouts import (
     AsyncPolicy,
+    EndTrajectory,
     PolicyError,
+    PolicyFailure,
     PolicyOutput,
     ReplayMismatch,
     Rollouts,
@@ -49,7 +51,7 @@ def check_group(group, group_size, env_fn=TaskEnv):
         t.index for t in group.trajectories
     )
     for traj in group.trajectories:
-        assert traj.status in (Status.TERMINATED, Status.TRUNCATED, Status.MAX_STEPS)
+        assert traj.status.finished
         assert traj.task is group.task
         assert len(traj.observations) == len(traj.actions) + 1 == len(traj.rewards) + 1
         assert len(traj.versions) == len(traj.actions) == len(traj.extras)
@@ -249,6 +251,50 @@ def test_per_row_async_policy_with_extras_and_a_concurrency_limit():
             for traj in group.trajectories:
                 assert [e["step"] for e in traj.extras] == list(range(traj.num_steps))
                 assert all(e["env"] == traj.env_id for e in traj.extras)
+    finally:
+        envs.close()
+
+
+def test_a_per_row_policy_ends_or_fails_trajectories_and_the_loop_goes_on():
+    """``EndTrajectory`` ends a trajectory as finished, with the steps it had (handed over,
+    replayed alone, its env reused); ``PolicyFailure`` fails one (retried from its task)."""
+    failed_once: set[tuple[int | None, int]] = set()
+
+    async def policy(row):
+        traj = row.trajectory
+        if traj.num_steps == 2 and traj.seed % 2 == 0:
+            raise EndTrajectory(f"no room left for seed {traj.seed}")
+        key = (traj.seed, traj.index)
+        if traj.num_steps == 1 and traj.seed % 3 == 0 and key not in failed_once:
+            failed_once.add(key)
+            raise PolicyFailure("the server is down")
+        return int(abs(row.observation[1] * 10)) % 3
+
+    env_fn = functools.partial(TaskEnv, max_len=6)
+    envs = make_envs(n=6, batch_size=2, env_fn=env_fn)
+    try:
+        with Rollouts(envs, policy, group_size=3, info_keys=["length"]) as rollouts:
+            rollouts.submit(seeds=list(range(12)))
+            groups = [g for _ in range(6) for g in rollouts.get_batch(2)]
+            stats = rollouts.stats()
+        assert sorted(g.task.seed for g in groups) == list(range(12))
+        for group in groups:
+            check_group(group, 3, env_fn)
+            for traj in group.trajectories:
+                length = traj.reset_info["length"]
+                if traj.seed % 2:
+                    assert traj.status is Status.TERMINATED and traj.num_steps == length
+                elif length > 2:  # its third action was never chosen
+                    assert traj.status is Status.POLICY_ENDED and traj.num_steps == 2
+                    assert traj.reason == f"no room left for seed {traj.seed}"
+                else:
+                    assert traj.status is Status.TERMINATED and traj.num_steps == length
+        ended = [t for g in groups for t in g.trajectories if t.status is Status.POLICY_ENDED]
+        assert ended, "no episode of an even seed was longer than 2 steps"
+        retried = [t for g in groups for t in g.trajectories if t.retried_after]
+        assert len(failed_once) == stats["retries"] == stats["dropped"]["policy_error"]
+        assert all(t.retried_after == [Status.POLICY_ERROR] for t in retried)
+        assert stats["completed"] == 36 and stats["dropped"].keys() <= {"policy_error"}
     finally:
         envs.close()
 

@@ -222,6 +222,60 @@ def test_a_prompt_past_the_context_fails_without_a_request(tiny_tokenizer):
     assert server.seen and all(len(s.prompt) < 150 for s in server.seen)
 
 
+def test_on_context_full_end_ends_a_trajectory_whose_prompt_outgrows_the_context(tiny_tokenizer):
+    """The opening prompt fits a context of 150 ids, the second turn's does not: with
+    ``on_context_full="end"`` each trajectory ends as policy_ended after its first turn, with
+    the tokens the server sent, and every group is delivered."""
+    with FakeServer(tiny_tokenizer, max_model_len=150) as server:
+        pol = policy(server, tiny_tokenizer, on_context_full="end")
+        groups, stats = run(pol, groups=2)
+    trajs = [t for g in groups for t in g.trajectories]
+    assert len(trajs) == 8 and stats["dropped"] == {} and stats["completed"] == 8
+    for traj in trajs:
+        assert traj.status is Status.POLICY_ENDED and traj.num_steps == 1
+        assert traj.reason.startswith("context_length: a prompt of")
+    assert len(server.seen) == 8 and all(len(s.prompt) < 150 for s in server.seen)
+    by_prompt = {tuple(s.prompt): s for s in server.seen}
+    for turn in turns_of(groups):
+        assert turn.completion_ids == by_prompt[tuple(turn.prompt_ids)].ids
+    assert pol.stats()["ended"] == {"context_length": 8} and pol.stats()["failed"] == {}
+    assert batch_samples(groups).statuses == ["policy_ended"] * 8
+
+
+def test_on_context_full_end_after_the_servers_context_length_reply(tiny_tokenizer):
+    """The server refuses every later turn as too long (a 400): with
+    ``on_context_full="end"`` each trajectory ends after its first turn, at once."""
+    openings: list[int] = []
+
+    def fault(n, body):
+        openings.append(len(body["prompt"])) if not openings else None
+        return "context" if len(body["prompt"]) > openings[0] else "ok"
+
+    with FakeServer(tiny_tokenizer, fault=fault) as server:
+        pol = policy(server, tiny_tokenizer, on_context_full="end")
+        groups, stats = run(pol)
+    trajs = [t for g in groups for t in g.trajectories]
+    assert len(trajs) == 16 and stats["dropped"] == {}
+    for traj in trajs:
+        assert traj.status is Status.POLICY_ENDED and traj.num_steps == 1
+        assert traj.reason.startswith("context_length") and "after 1 failed" in traj.reason
+    assert pol.stats()["faults"] == {"context_length": 16} == pol.stats()["ended"]
+
+
+def test_on_context_full_end_still_fails_an_opening_that_does_not_fit(tiny_tokenizer):
+    """A first turn that does not fit has nothing to hand over: it fails as policy_error."""
+    with FakeServer(tiny_tokenizer, max_model_len=20) as server:
+        pol = policy(server, tiny_tokenizer, on_context_full="end")
+        with rollouts(pol, max_retries=0) as r:
+            r.submit([Task(seed=0)])
+            deadline = time.monotonic() + 60
+            while not r.stats()["groups_dropped"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            stats = r.stats()
+    assert stats["groups_dropped"] == {"policy_error": 1} and not server.seen
+    assert pol.stats()["ended"] == {} and pol.stats()["failed"]["context_length"] >= 1
+
+
 def test_requests_in_flight_are_capped(tiny_tokenizer):
     with FakeServer(tiny_tokenizer, token_delay_s=0.005) as server:
         pol = policy(server, tiny_tokenizer, max_in_flight=3, interrupt=True)
@@ -353,6 +407,8 @@ def test_bad_arguments():
         ServerPolicy("http://127.0.0.1:1/v1", "m", Tok(), coro)
     with pytest.raises(ValueError, match="max_in_flight must be an int >= 1"):
         ServerPolicy("http://127.0.0.1:1/v1", "m", Tok(), messages, max_in_flight=0)
+    with pytest.raises(ValueError, match="on_context_full must be 'fail' or 'end'"):
+        ServerPolicy("http://127.0.0.1:1/v1", "m", Tok(), messages, on_context_full="truncate")
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
         Sampling(max_tokens=0)
     with pytest.raises(ValueError, match="attempts must be an int >= 1"):

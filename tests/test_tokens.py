@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from shmvec.rollouts import Group, Task, Trajectory
+from shmvec.rollouts import Group, Status, Task, Trajectory
 from shmvec.rollouts.tokens import (
     ChatTokens,
     TurnTokens,
@@ -264,6 +264,7 @@ def test_samples_hold_every_id_with_mask_logprob_and_version(tokenizer):
     assert all(sample.versions[i] == -1 and sample.logprobs[i] == 0.0 for i in env)
     assert sample.reward == 3.0 and sample.turn_rewards == [0.0, 1.0, 2.0]
     assert (sample.group_id, sample.index) == (7, 1)
+    assert sample.status == traj.status.value
 
 
 def test_batch_keeps_groups_contiguous(tokenizer):
@@ -272,9 +273,14 @@ def test_batch_keeps_groups_contiguous(tokenizer):
         Group(g, Task(seed=g), [_trajectory(chat, g, i, turns=1 + i) for i in range(3)], [])
         for g in (4, 9)
     ]
+    for g in groups:
+        for t in g.trajectories:
+            t.status = Status.TERMINATED
+    groups[1].trajectories[2].status = Status.POLICY_ENDED  # its context was full
     batch = batch_samples(groups)
     assert len(batch) == 6 and batch.group_ids == [4, 4, 4, 9, 9, 9]
     assert batch.rewards == [0.0, 1.0, 3.0] * 2
+    assert batch.statuses == ["terminated"] * 5 + ["policy_ended"]
     assert all(len(m) == len(c) for m, c in zip(batch.mask, batch.completion_ids))
 
 

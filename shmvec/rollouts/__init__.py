@@ -22,6 +22,7 @@ See the rollouts guide (docs/guides/rollouts.md).
 from shmvec.rollouts.groups import GroupPolicy
 from shmvec.rollouts.policies import AsyncPolicy
 from shmvec.rollouts.records import (
+    EndTrajectory,
     Group,
     PolicyBatch,
     PolicyError,
@@ -38,6 +39,7 @@ from shmvec.rollouts.rollouts import Rollouts
 
 __all__ = [
     "AsyncPolicy",
+    "EndTrajectory",
     "Group",
     "GroupPolicy",
     "PolicyBatch",

@@ -219,6 +219,14 @@ class Book:
         self._apply(group, group.finish(traj, now), now)
         return False
 
+    def policy_ended(self, traj: Trajectory, reason: str, now: float) -> None:
+        """The policy ended a running attempt that awaited its action (``EndTrajectory``):
+        it is finished, as ``POLICY_ENDED``."""
+        traj.status, traj.reason = Status.POLICY_ENDED, reason
+        self._end(traj, Status.POLICY_ENDED, now)
+        group = self.groups[traj.group_id]
+        self._apply(group, group.finish(traj, now), now)
+
     def failed(self, traj: Trajectory, status: Status, reason: str, now: float) -> None:
         """A running attempt failed (its env's state was lost, or it went stale)."""
         traj.reason = reason

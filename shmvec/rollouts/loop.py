@@ -227,18 +227,23 @@ class Loop:
         """The policy's answers for attempts still running, recorded, as (env, action)."""
         answers = []
         taken = self.runner.take()
-        # Failures first: one may cancel its group's other attempts, whose answers are then
-        # not sent (their envs are freed at once, not left to a result).
+        # Failures and ends first: one may settle its group and cancel the group's other
+        # attempts, whose answers are then not sent (their envs are freed at once, not left
+        # to a result).
         for answer in taken:
             traj = answer.key[0]
-            if answer.failure is not None and traj.status is Status.RUNNING:
+            if traj.status is not Status.RUNNING:
+                continue
+            if answer.failure is not None:
                 self.book.failed(traj, Status.POLICY_ERROR, answer.failure, now)
+            elif answer.end is not None:
+                self.book.policy_ended(traj, answer.end, now)
         for answer in taken:
             traj, version = answer.key
             if answer.error is not None:
                 raise answer.error
-            if traj.status is not Status.RUNNING or answer.failure is not None:
-                continue  # cancelled or failed meanwhile; its env was freed then
+            if traj.status is not Status.RUNNING or answer.failure is not None or answer.end:
+                continue  # cancelled, failed or ended meanwhile; its env was freed then
             action, extra = split_row_output(answer.output)
             traj.policy_s += answer.ended_s - answer.started_s
             if self.book.answered(traj, action, extra, version, now):

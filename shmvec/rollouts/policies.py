@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from shmvec.rollouts.records import (
+    EndTrajectory,
     PolicyBatch,
     PolicyError,
     PolicyFailure,
@@ -42,7 +43,9 @@ UNWIND_S = 5.0
 
 class AsyncPolicy:
     """A per-row policy: ``await fn(row)`` for each :class:`PolicyRow`, returning
-    an action or a :class:`RowOutput` (action and extra).
+    an action or a :class:`RowOutput` (action and extra). ``fn`` may raise
+    :class:`PolicyFailure` to fail the row's trajectory (the loop goes on) or
+    :class:`EndTrajectory` to end it as finished without acting.
 
     Args:
         fn: a coroutine function.
@@ -77,6 +80,7 @@ class RowAnswer:
     started_s: float = 0.0
     ended_s: float = 0.0
     failure: str | None = None  # a PolicyFailure's message: the trajectory fails, the loop goes on
+    end: str | None = None  # an EndTrajectory's message: the trajectory ends as finished
 
 
 class BusyClock:
@@ -200,6 +204,8 @@ class AsyncPolicyRunner(PolicyRunner):
                 answer.output = await self.policy.fn(row)
             except PolicyFailure as failure:
                 answer.failure = str(failure) or type(failure).__name__
+            except EndTrajectory as end:
+                answer.end = str(end) or type(end).__name__
             except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
                 answer.error = PolicyError(
                     f"the policy raised {error!r} for the row of env {row.env_id}"

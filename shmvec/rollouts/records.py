@@ -37,14 +37,16 @@ class Task:
 class Status(str, enum.Enum):
     """How one attempt at a trajectory ended.
 
-    ``TERMINATED``, ``TRUNCATED`` and ``MAX_STEPS`` are finished trajectories;
-    the others are failures and name their reason in ``stats()["dropped"]``.
+    ``TERMINATED``, ``TRUNCATED``, ``MAX_STEPS`` and ``POLICY_ENDED`` are
+    finished trajectories; the others are failures and name their reason in
+    ``stats()["dropped"]``.
     """
 
     RUNNING = "running"
     TERMINATED = "terminated"  # the env said so
     TRUNCATED = "truncated"  # the env (a TimeLimit) said so
     MAX_STEPS = "max_steps"  # the layer's per-trajectory step limit
+    POLICY_ENDED = "policy_ended"  # the policy ended it (EndTrajectory): its context is full
     ENV_ERROR = "env_error"  # the env raised; it was reset (on_env_error="reset")
     WORKER_DIED = "worker_died"  # its worker died and was restarted
     DEADLINE = "deadline"  # one step ran past the vector env's step_deadline
@@ -58,7 +60,7 @@ class Status(str, enum.Enum):
         return self in FINISHED
 
 
-FINISHED = frozenset({Status.TERMINATED, Status.TRUNCATED, Status.MAX_STEPS})
+FINISHED = frozenset({Status.TERMINATED, Status.TRUNCATED, Status.MAX_STEPS, Status.POLICY_ENDED})
 
 #: Failures a retry may cure: the env's state was lost, not the task's fault
 #: alone. A cancelled attempt (REDUNDANT, GROUP_DROPPED) is never retried.
@@ -96,7 +98,8 @@ class Trajectory:
     versions: list[int] = field(default_factory=list)
     extras: list[Any] = field(default_factory=list)
     status: Status = Status.RUNNING
-    reason: str = ""  # a failure's detail (the env's error message, the deadline)
+    reason: str = ""  # a failure's detail (the env's error message, the deadline), or why
+    # the policy ended it (POLICY_ENDED)
     retried_after: list[Status] = field(default_factory=list)  # earlier attempts' failures
     started_s: float = 0.0  # time.monotonic()
     ended_s: float = 0.0
@@ -228,3 +231,11 @@ class PolicyFailure(Exception):
     its retries): the row's trajectory fails as ``policy_error`` with this message as its
     reason, and the group policy counts, retries or drops it; the rollouts go on. Any other
     exception from a policy is a :class:`PolicyError`, which stops them."""
+
+
+class EndTrajectory(Exception):
+    """Raised by a per-row policy that will not act on a row and ends its trajectory instead,
+    as finished (an inference server's context that holds no more of the conversation): the
+    trajectory ends as ``policy_ended`` with this message as its ``reason``, counts as
+    completed and is handed over with its group like one the env truncated; its env starts
+    its next task."""

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from shmvec.rollouts.policies import AsyncPolicy
-from shmvec.rollouts.records import PolicyFailure, PolicyRow, RowOutput
+from shmvec.rollouts.records import EndTrajectory, PolicyFailure, PolicyRow, RowOutput
 from shmvec.rollouts.server_client import (
     OVERLOAD,
     ClientShards,
@@ -95,6 +95,11 @@ class ServerPolicy(AsyncPolicy):
         api_key: sent as the bearer token.
         context_length: the model's context; default: the server's ``max_model_len`` if it
             says, else unknown (the server's 400 then tells).
+        on_context_full: what a later turn whose prompt no longer fits the context does:
+            ``"fail"``: the trajectory fails as ``policy_error`` (its group policy retries or
+            drops it); ``"end"``: it ends as finished, ``policy_ended``, with the turns it
+            had (``EndTrajectory``; a trainer may keep or mask it). A first turn that does
+            not fit fails either way.
 
     Raises (from ``act``, to the trainer): ``ServerSetupError`` for a server that is not
     OpenAI-compatible, a model it does not serve, a tokenizer that is not its own or a request
@@ -118,6 +123,7 @@ class ServerPolicy(AsyncPolicy):
         action: Callable[[str], Any] | None = None,
         api_key: str = "EMPTY",
         context_length: int | None = None,
+        on_context_full: str = "fail",
     ) -> None:
         super().__init__(self.act, concurrency=1 << 30)  # requests are capped by max_in_flight
         if not callable(messages) or inspect.iscoroutinefunction(messages):
@@ -130,7 +136,10 @@ class ServerPolicy(AsyncPolicy):
             max_in_flight, adaptive=adaptive, target_latency_s=target_latency_s
         )
         self.interrupt, self.count_drift = interrupt, count_drift
+        if on_context_full not in ("fail", "end"):
+            raise ValueError(f"on_context_full must be 'fail' or 'end', got {on_context_full!r}")
         self.api_key, self.context_length = api_key, context_length
+        self.on_context_full = on_context_full
         self.version = 0
         self._clients: ClientShards | None = None
         self._checked = False
@@ -143,6 +152,7 @@ class ServerPolicy(AsyncPolicy):
         self._counts: Counter[str] = Counter()
         self._faults: Counter[str] = Counter()
         self._failed: Counter[str] = Counter()
+        self._ended: Counter[str] = Counter()
         self._latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
 
     # -------------------------------------------------------------- the hooks
@@ -179,6 +189,7 @@ class ServerPolicy(AsyncPolicy):
                 **self._counts,
                 "faults": dict(self._faults),
                 "failed": dict(self._failed),
+                "ended": dict(self._ended),
                 "in_flight": self.limit.in_flight,
                 "in_flight_limit": self.limit.limit,
                 "in_flight_peak": self.limit.peak,
@@ -214,7 +225,7 @@ class ServerPolicy(AsyncPolicy):
             self._count("compared_turns")
             self._count("drift_turns", int(drift))
         await self._ensure_checked()
-        completion = await self._complete(prompt)
+        completion = await self._complete(prompt, can_end=bool(turns))
         turn = TurnTokens(
             prompt_ids=prompt,
             completion_ids=completion.ids,
@@ -229,20 +240,21 @@ class ServerPolicy(AsyncPolicy):
         self._count("turns")
         return RowOutput(self.action(text) if self.action is not None else text, turn)
 
-    async def _complete(self, prompt: list[int]) -> _Completion:
+    async def _complete(self, prompt: list[int], can_end: bool) -> _Completion:
         """The prompt's completion, over as many requests as failures and interruptions take.
 
         Raises:
             PolicyFailure: past ``retry.attempts`` failed requests, or a prompt too long.
+            EndTrajectory: a prompt too long, ``on_context_full="end"`` and ``can_end``.
         """
         budget = self.sampling.max_tokens
         if self.context_length is not None:
             room = self.context_length - len(prompt)
             if room < 1:
-                self._fail("context_length")
-                raise PolicyFailure(
+                raise self._context_full(
                     f"context_length: a prompt of {len(prompt)} ids fills the model's context "
-                    f"of {self.context_length}"
+                    f"of {self.context_length}",
+                    can_end,
                 )
             budget = min(budget, room)
         out = _Completion()
@@ -272,10 +284,11 @@ class ServerPolicy(AsyncPolicy):
                 if fault.kind in OVERLOAD:
                     self.limit.overloaded()
                 if not fault.retry or failures >= self.retry.attempts:
+                    message = f"{fault} (after {failures} failed request(s) of this turn)"
+                    if fault.kind == "context_length":
+                        raise self._context_full(message, can_end) from error
                     self._fail(fault.kind)
-                    raise PolicyFailure(
-                        f"{fault} (after {failures} failed request(s) of this turn)"
-                    ) from error
+                    raise PolicyFailure(message) from error
                 await asyncio.sleep(self.retry.delay(failures, fault.retry_after, self._rng))
                 continue
             latency = time.monotonic() - started
@@ -293,6 +306,15 @@ class ServerPolicy(AsyncPolicy):
     def _fail(self, kind: str) -> None:
         with self._lock:
             self._failed[kind] += 1
+
+    def _context_full(self, message: str, can_end: bool) -> Exception:
+        """What a prompt that does not fit the context raises (``on_context_full``)."""
+        if can_end and self.on_context_full == "end":
+            with self._lock:
+                self._ended["context_length"] += 1
+            return EndTrajectory(message)
+        self._fail("context_length")
+        return PolicyFailure(message)
 
     def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
         s = self.sampling

@@ -281,7 +281,9 @@ class TokenSample:
     of the next turn; ``mask[i]`` is 1 for a model id and 0 for an env id; ``logprobs[i]``
     and ``versions[i]`` are the sampling log-probability and policy version of a model id
     (0.0 and -1 for env ids). ``prompt_ids + completion_ids`` is the last turn's prompt
-    and completion, id for id.
+    and completion, id for id. ``status`` is how the trajectory ended (a
+    :class:`~shmvec.rollouts.Status` value: ``"terminated"``, ``"truncated"``,
+    ``"max_steps"``, ``"policy_ended"``), for a trainer that masks cut-off trajectories.
     """
 
     prompt_ids: list[int]
@@ -293,6 +295,7 @@ class TokenSample:
     turn_rewards: list[float]
     group_id: int
     index: int
+    status: str
 
 
 def trajectory_sample(trajectory: Any) -> TokenSample:
@@ -342,6 +345,7 @@ def trajectory_sample(trajectory: Any) -> TokenSample:
         turn_rewards=[float(r) for r in trajectory.rewards],
         group_id=int(trajectory.group_id),
         index=int(trajectory.index),
+        status=str(getattr(trajectory.status, "value", trajectory.status)),
     )
 
 
@@ -357,6 +361,7 @@ class TokenBatch:
     versions: list[list[int]]
     rewards: list[float]
     group_ids: list[int]
+    statuses: list[str]
 
     def __len__(self) -> int:
         return len(self.rewards)
@@ -373,6 +378,7 @@ def batch_samples(groups: Iterable[Any]) -> TokenBatch:
         versions=[s.versions for s in samples],
         rewards=[s.reward for s in samples],
         group_ids=[s.group_id for s in samples],
+        statuses=[s.status for s in samples],
     )
 
 

@@ -31,6 +31,7 @@ STATUS = {
     Status.TERMINATED.value: "done",
     Status.TRUNCATED.value: "truncated",
     Status.MAX_STEPS.value: "truncated",
+    Status.POLICY_ENDED.value: "truncated",
 }
 
 
