@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 import signal
 import threading
 import time
 
 import pytest
 
-from shmvec.rollouts import Rollouts, Task
+from shmvec.rollouts import Rollouts, Status, Task
 from shmvec.rollouts.server import Retry, Sampling, ServerPolicy
 from shmvec.rollouts.tokens import batch_samples
 from shmvec.text_envs import FrozenLakeText
@@ -135,6 +136,51 @@ def test_a_thousand_trajectories_at_once(vllm_server, tiny_tokenizer):
     client_threads = peak[0] - baseline
     print(f"OS threads: {before} before, {baseline} with the rollouts, peak {peak[0]}")
     assert client_threads <= 1000 // 100, (before, baseline, peak[0], pol.stats())
+
+
+@pytest.mark.parametrize("context_length", [None, 1 << 20], ids=["server's", "too large"])
+def test_conversations_that_outgrow_the_context_end(vllm_server, tiny_tokenizer, context_length):
+    """Every turn adds eight copies of the board, so the conversations outgrow the server's
+    2,048 ids within a few turns. With ``on_context_full="end"`` each one ends as
+    policy_ended with the turns it had: before a request, from the ``max_model_len`` that
+    ``/v1/models`` gives (None), or from vLLM's own 400 when the policy is told of a context
+    larger than the server's; every group is delivered and its ids still line up."""
+
+    def long_messages(row):
+        return [*messages(row)[:-1], {"role": "user", "content": row.observation * 8}]
+
+    pol = ServerPolicy(
+        vllm_server.base_url,
+        "tiny",
+        tiny_tokenizer,
+        long_messages,
+        sampling=Sampling(max_tokens=16),
+        context_length=context_length,
+        on_context_full="end",
+    )
+    with Rollouts.from_env_fns(lake_fns(8, 60), pol, env_concurrency=8, group_size=4) as r:
+        r.submit([Task(seed=s) for s in range(2)])
+        groups = r.get_batch(2, timeout=300)
+        stats = r.stats()
+    trajs = [t for g in groups for t in g.trajectories]
+    ended = [t for t in trajs if t.status is Status.POLICY_ENDED]
+    assert stats["dropped"] == {} and ended
+    assert pol.stats()["ended"] == {"context_length": len(ended)}
+    for traj in ended:
+        assert traj.num_steps >= 1 and traj.reason.startswith("context_length")
+    if context_length is None:
+        for traj in ended:  # the prompt that did not fit grew the last turn's context
+            match = re.search(
+                r"a prompt of (\d+) ids fills the model's context of 2048", traj.reason
+            )
+            assert match, traj.reason
+            assert int(match.group(1)) >= 2048 > len(traj.extras[-1].context_ids)
+        assert "context_length" not in pol.stats()["faults"]
+    else:
+        assert pol.stats()["faults"]["context_length"] == len(ended)
+    batch = batch_samples(groups)
+    assert batch.statuses.count("policy_ended") == len(ended)
+    assert all(len(p) + len(c) <= 2048 for p, c in zip(batch.prompt_ids, batch.completion_ids))
 
 
 def test_grpo_server_example(vllm_server, capsys):
