@@ -155,13 +155,14 @@ def check_calls(calls, trainer):
             assert out["env_mask"][row] == mask and 0 in mask and 1 in mask
             assert out["logprobs"][row] == logprobs
             assert out["env_reward"][row] == trajectory.total_reward
+            assert out["env_status"][row] == trajectory.status.value == "truncated"
             assert all(v == step for turn in trajectory.extras for v in turn.versions)
             assert trajectory.versions == [step] * trajectory.num_steps
         # what the trainer took, after its own processing, is what the call returned
         prompt_ids, completion_ids, tool_mask, _, logprobs, extra, _, _ = received
         assert prompt_ids == out["prompt_ids"] and completion_ids == out["completion_ids"]
         assert tool_mask == out["env_mask"] and logprobs == out["logprobs"]
-        assert extra == {"env_reward": out["env_reward"]}
+        assert extra == {"env_reward": out["env_reward"], "env_status": out["env_status"]}
     for log, (_, _, out, _) in zip(trainer.state.log_history, calls):
         # TRL's own metrics: the env reward as the reward, model tokens (mask 1) as the length
         assert log["reward"] == pytest.approx(sum(out["env_reward"]) / len(out["env_reward"]))

@@ -13,10 +13,13 @@ and hands the trainer their token ids, log-probabilities, env masks and env rewa
 TRL calls ``rollout_func(prompts, trainer)`` with ``num_generations`` copies of each prompt
 in a row (a group) and wants one row back per prompt, in the same order: ``prompt_ids``,
 ``completion_ids`` and ``logprobs``, and here also ``env_mask`` (1 for a model token, 0 for
-a token the env's reply added between turns) and ``env_reward``, which TRL passes to the
-reward functions (:func:`env_reward` returns it). Each row is one trajectory: the first
-turn's prompt, then every turn's completion with the env's reply between them, as ids
-(:mod:`shmvec.rollouts.tokens`: never decoded and rendered again).
+a token the env's reply added between turns), ``env_reward`` and ``env_status``, which TRL
+passes to the reward functions (:func:`env_reward` returns the first; the second says how
+each trajectory ended, ``"policy_ended"`` for a conversation that outgrew the model's context
+under ``ServerPolicy(on_context_full="end")``; TRL 1.16 leaves a row for which every reward
+function returns None out of its group's baseline, with an advantage of 0). Each row is one
+trajectory: the first turn's prompt, then every turn's completion with the env's reply
+between them, as ids (:mod:`shmvec.rollouts.tokens`: never decoded and rendered again).
 
 The policy is any rollout policy whose extras are :class:`~shmvec.rollouts.tokens.TurnTokens`:
 :class:`ModelPolicy` samples with the trainer's own model in this process, and
@@ -48,6 +51,8 @@ __all__ = ["ModelPolicy", "RolloutFunc", "env_reward", "user_message"]
 
 #: The row key that carries each trajectory's total env reward to TRL's reward functions.
 ENV_REWARD = "env_reward"
+#: The row key that carries how each trajectory ended (a ``Status`` value) to them.
+ENV_STATUS = "env_status"
 
 
 def env_reward(completions: list[Any], env_reward: list[float], **kwargs: Any) -> list[float]:
@@ -173,6 +178,7 @@ class RolloutFunc:
             "logprobs": batch.logprobs,
             "env_mask": batch.mask,
             ENV_REWARD: batch.rewards,
+            ENV_STATUS: batch.statuses,
         }
 
     def _task(self, prompt: Any) -> Task:
