@@ -242,7 +242,7 @@ class Loop:
             traj, version = answer.key
             if answer.error is not None:
                 raise answer.error
-            if traj.status is not Status.RUNNING or answer.failure is not None or answer.end:
+            if traj.status is not Status.RUNNING or answer.failure or answer.end:
                 continue  # cancelled, failed or ended meanwhile; its env was freed then
             action, extra = split_row_output(answer.output)
             traj.policy_s += answer.ended_s - answer.started_s

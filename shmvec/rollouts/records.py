@@ -46,7 +46,7 @@ class Status(str, enum.Enum):
     TERMINATED = "terminated"  # the env said so
     TRUNCATED = "truncated"  # the env (a TimeLimit) said so
     MAX_STEPS = "max_steps"  # the layer's per-trajectory step limit
-    POLICY_ENDED = "policy_ended"  # the policy ended it (EndTrajectory): its context is full
+    POLICY_ENDED = "policy_ended"  # the policy ended it (EndTrajectory), its context full
     ENV_ERROR = "env_error"  # the env raised; it was reset (on_env_error="reset")
     WORKER_DIED = "worker_died"  # its worker died and was restarted
     DEADLINE = "deadline"  # one step ran past the vector env's step_deadline
