@@ -59,6 +59,16 @@ def run(pol, groups: int = 4, **kwargs):
         return batch, r.stats()
 
 
+def run_until_dropped(pol) -> dict:
+    """One task's group, without retries, until it is dropped (or 60 s): the rollouts' stats."""
+    with rollouts(pol, max_retries=0) as r:
+        r.submit([Task(seed=0)])
+        deadline = time.monotonic() + 60
+        while not r.stats()["groups_dropped"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return r.stats()
+
+
 def turns_of(groups) -> list[TurnTokens]:
     return [turn for g in groups for t in g.trajectories for turn in t.extras]
 
@@ -207,12 +217,7 @@ def test_a_prompt_past_the_context_fails_without_a_request(tiny_tokenizer):
     trajectory fails as policy_error before sending it, and its group is dropped."""
     with FakeServer(tiny_tokenizer, max_model_len=150) as server:
         pol = policy(server, tiny_tokenizer)
-        with rollouts(pol, max_retries=0) as r:
-            r.submit([Task(seed=0)])
-            deadline = time.monotonic() + 60
-            while not r.stats()["groups_dropped"] and time.monotonic() < deadline:
-                time.sleep(0.02)
-            stats = r.stats()
+        stats = run_until_dropped(pol)
     assert stats["groups_dropped"] == {"policy_error": 1}
     dropped = stats["dropped"]
     assert dropped["policy_error"] >= 1 and sum(dropped.values()) == 4
@@ -266,12 +271,7 @@ def test_on_context_full_end_still_fails_an_opening_that_does_not_fit(tiny_token
     """A first turn that does not fit has nothing to hand over: it fails as policy_error."""
     with FakeServer(tiny_tokenizer, max_model_len=20) as server:
         pol = policy(server, tiny_tokenizer, on_context_full="end")
-        with rollouts(pol, max_retries=0) as r:
-            r.submit([Task(seed=0)])
-            deadline = time.monotonic() + 60
-            while not r.stats()["groups_dropped"] and time.monotonic() < deadline:
-                time.sleep(0.02)
-            stats = r.stats()
+        stats = run_until_dropped(pol)
     assert stats["groups_dropped"] == {"policy_error": 1} and not server.seen
     assert pol.stats()["ended"] == {} and pol.stats()["failed"]["context_length"] >= 1
 
