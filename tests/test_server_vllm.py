@@ -157,14 +157,15 @@ def test_conversations_that_outgrow_the_context_end(vllm_server, tiny_tokenizer,
         sampling=Sampling(max_tokens=16),
         context_length=context_length,
         on_context_full="end",
+        action=lambda text: "wait",  # no move: the lake never ends an episode first
     )
     with Rollouts.from_env_fns(lake_fns(8, 60), pol, env_concurrency=8, group_size=4) as r:
         r.submit([Task(seed=s) for s in range(2)])
         groups = r.get_batch(2, timeout=300)
         stats = r.stats()
-    trajs = [t for g in groups for t in g.trajectories]
-    ended = [t for t in trajs if t.status is Status.POLICY_ENDED]
-    assert stats["dropped"] == {} and ended
+    ended = [t for g in groups for t in g.trajectories]
+    assert stats["dropped"] == {} and len(ended) == 8
+    assert all(t.status is Status.POLICY_ENDED for t in ended)
     assert pol.stats()["ended"] == {"context_length": len(ended)}
     for traj in ended:
         assert traj.num_steps >= 1 and traj.reason.startswith("context_length")
