@@ -255,21 +255,33 @@ def test_per_row_async_policy_with_extras_and_a_concurrency_limit():
         envs.close()
 
 
-def test_a_per_row_policy_ends_or_fails_trajectories_and_the_loop_goes_on():
+@pytest.mark.parametrize("kind", ["per-row", "batched"])
+def test_a_policy_ends_or_fails_trajectories_and_the_loop_goes_on(kind):
     """``EndTrajectory`` ends a trajectory as finished, with the steps it had (handed over,
-    replayed alone, its env reused); ``PolicyFailure`` fails one (retried from its task)."""
+    replayed alone, its env reused): raised by a per-row policy, or in a row's place in a
+    batched policy's actions. ``PolicyFailure`` fails one (per row; retried from its task)."""
     failed_once: set[tuple[int | None, int]] = set()
 
-    async def policy(row):
-        traj = row.trajectory
+    def act(traj, observation):
         if traj.num_steps == 2 and traj.seed % 2 == 0:
-            raise EndTrajectory(f"no room left for seed {traj.seed}")
+            return EndTrajectory(f"no room left for seed {traj.seed}")
         key = (traj.seed, traj.index)
-        if traj.num_steps == 1 and traj.seed % 3 == 0 and key not in failed_once:
-            failed_once.add(key)
-            raise PolicyFailure("the server is down")
-        return int(abs(row.observation[1] * 10)) % 3
+        if kind == "per-row" and traj.num_steps == 1 and traj.seed % 3 == 0:
+            if key not in failed_once:
+                failed_once.add(key)
+                raise PolicyFailure("the server is down")
+        return int(abs(observation[1] * 10)) % 3
 
+    async def per_row(row):
+        action = act(row.trajectory, row.observation)
+        if isinstance(action, EndTrajectory):
+            raise action
+        return action
+
+    def batched(batch):
+        return [act(t, o) for t, o in zip(batch.trajectories, batch.observations)]
+
+    policy = per_row if kind == "per-row" else batched
     env_fn = functools.partial(TaskEnv, max_len=6)
     envs = make_envs(n=6, batch_size=2, env_fn=env_fn)
     try:
@@ -292,8 +304,9 @@ def test_a_per_row_policy_ends_or_fails_trajectories_and_the_loop_goes_on():
         ended = [t for g in groups for t in g.trajectories if t.status is Status.POLICY_ENDED]
         assert ended, "no episode of an even seed was longer than 2 steps"
         retried = [t for g in groups for t in g.trajectories if t.retried_after]
-        assert len(failed_once) == stats["retries"] == stats["dropped"]["policy_error"]
+        assert len(failed_once) == stats["retries"] == stats["dropped"].get("policy_error", 0)
         assert all(t.retried_after == [Status.POLICY_ERROR] for t in retried)
+        assert bool(failed_once) == (kind == "per-row")
         assert stats["completed"] == 36 and stats["dropped"].keys() <= {"policy_error"}
     finally:
         envs.close()

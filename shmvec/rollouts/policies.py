@@ -248,6 +248,8 @@ class AsyncPolicyRunner(PolicyRunner):
 class BatchedPolicyRunner(PolicyRunner):
     """Calls a batched policy in a thread of its own, on every row submitted
     since its last call began; ``take`` returns the answers of finished calls.
+    A row whose action is an :class:`EndTrajectory` (in a list of actions) ends
+    its trajectory as finished.
 
     Each call's rows are stamped with the policy version at the call's start
     (``version()``); ``on_answer`` is called after each call, to wake the loop.
@@ -293,7 +295,12 @@ class BatchedPolicyRunner(PolicyRunner):
             self.calls += 1
             for row, output in zip(rows, outputs):
                 key = (row.trajectory, version)
-                self.answers.append(RowAnswer(key, output, error, started, ended))
+                action = output.action if isinstance(output, RowOutput) else None
+                if isinstance(action, EndTrajectory):
+                    end = str(action) or type(action).__name__
+                    self.answers.append(RowAnswer(key, None, error, started, ended, end=end))
+                else:
+                    self.answers.append(RowAnswer(key, output, error, started, ended))
             self.on_answer()
 
     def _call(

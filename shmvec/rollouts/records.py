@@ -235,7 +235,7 @@ class PolicyFailure(Exception):
 
 class EndTrajectory(Exception):
     """Raised by a per-row policy that will not act on a row and ends its trajectory instead,
-    as finished (an inference server's context that holds no more of the conversation): the
-    trajectory ends as ``policy_ended`` with this message as its ``reason``, counts as
-    completed and is handed over with its group like one the env truncated; its env starts
-    its next task."""
+    as finished (an inference server's context that holds no more of the conversation), or
+    put by a batched policy in that row's place in its list of actions: the trajectory ends
+    as ``policy_ended`` with this message as its ``reason``, counts as completed and is
+    handed over with its group like one the env truncated; its env starts its next task."""
