@@ -7,6 +7,7 @@ replays alone. Bad input to the rollout function is a clear error."""
 from __future__ import annotations
 
 import os
+import re
 import types
 
 import pytest
@@ -257,6 +258,62 @@ def scripted_policy(tokenizer, calls=None):
     return AsyncPolicy(reply, concurrency=4)
 
 
+def opening_length(tokenizer) -> int:
+    """The ids of every trajectory's opening prompt (the lake starts alike for every seed)."""
+    obs, _ = lake().reset(seed=0)
+    messages = [{"role": "system", "content": "Answer left, down, right or up."}]
+    return len(ChatTokens(tokenizer).first_prompt([*messages, {"role": "user", "content": obs}]))
+
+
+def test_model_policy_ends_a_conversation_that_fills_the_context(tiny_llm_path, tokenizer):
+    """A context one id longer than the opening prompt: each first completion stops at one
+    id, the second turn's prompt fills the context, and the trajectory ends as policy_ended;
+    TRL trains on the rows and its reward functions see each row's env_status."""
+    statuses_seen = []
+
+    def reward(completions, env_status, **kwargs):
+        statuses_seen.append(list(env_status))
+        return [0.0] * len(completions)
+
+    context = opening_length(tokenizer) + 1
+    rollout_func = RolloutFunc.from_env_fns(
+        [lake] * 4, task_of, ModelPolicy(lake_messages, context_length=context),
+        env_concurrency=4, batch_size=2,
+    )  # fmt: skip
+    calls = Calls(rollout_func)
+    try:
+        train(tiny_llm_path, tokenizer, calls, reward).train()
+    finally:
+        rollout_func.close()
+    assert len(calls.calls) == STEPS
+    for _, groups, out, _ in calls.calls:
+        trajectories = [t for g in groups for t in g.trajectories]
+        assert out["env_status"] == ["policy_ended"] * len(trajectories)
+        for trajectory in trajectories:
+            assert trajectory.status is Status.POLICY_ENDED and trajectory.num_steps == 1
+            reason = re.fullmatch(
+                r"context_length: a prompt of (\d+) ids fills the model's context of (\d+)",
+                trajectory.reason,
+            )
+            assert reason and int(reason[1]) > context == int(reason[2]), trajectory.reason
+            (turn,) = trajectory.extras
+            assert len(turn.prompt_ids) + len(turn.completion_ids) == context
+        assert all(len(ids) == 1 for ids in out["completion_ids"])
+    assert statuses_seen == [out["env_status"] for _, _, out, _ in calls.calls]
+
+
+def test_model_policy_refuses_an_opening_that_does_not_fit(tiny_llm_path, tokenizer):
+    rollout_func = RolloutFunc.from_env_fns(
+        [lake] * 4, task_of, ModelPolicy(lake_messages, context_length=opening_length(tokenizer)),
+        env_concurrency=4, batch_size=2,
+    )  # fmt: skip
+    try:
+        with pytest.raises(PolicyError, match="the opening prompt of env .* fills the model's"):
+            train(tiny_llm_path, tokenizer, rollout_func, env_reward).train()
+    finally:
+        rollout_func.close()
+
+
 def test_grpo_trains_on_the_env_rewards_of_a_token_policy(tiny_llm_path, tokenizer):
     rewards_seen = []
 
@@ -431,5 +488,7 @@ def test_model_policy_samples_only_inside_a_call():
         policy(types.SimpleNamespace(trajectories=[], observations=()))
     with pytest.raises(ValueError, match="max_new_tokens"):
         ModelPolicy(max_new_tokens=0)
+    with pytest.raises(ValueError, match="context_length must be None or an int >= 1"):
+        ModelPolicy(context_length=0)
     with pytest.raises(TypeError, match="messages must be a function"):
         ModelPolicy("You play FrozenLake")

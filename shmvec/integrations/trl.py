@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmvec.rollouts import (
+    EndTrajectory,
     Group,
     PolicyBatch,
     PolicyError,
@@ -293,6 +294,7 @@ class _TrainerModel:
     temperature: float
     max_new_tokens: int
     version: int
+    context: int | None  # the longest prompt and completion the model takes
 
 
 class ModelPolicy:
@@ -307,6 +309,11 @@ class ModelPolicy:
             observation as a user message.
         max_new_tokens: the longest completion of one turn (default: the trainer's
             ``max_completion_length``).
+        context_length: the longest prompt and completion the model takes (default: its
+            config's ``max_position_embeddings``). A turn's completion stops at it, and a
+            later turn whose prompt fills it ends its trajectory as finished
+            (``policy_ended``, as ``ServerPolicy(on_context_full="end")`` does); an opening
+            prompt that does not fit is an error.
 
     It samples from the whole distribution at the trainer's ``temperature`` (no top-k or
     top-p), so that each log-probability is the one TRL recomputes for the same weights; the
@@ -320,6 +327,7 @@ class ModelPolicy:
         messages: Callable[[PolicyRow], list[dict[str, Any]]] = user_message,
         *,
         max_new_tokens: int | None = None,
+        context_length: int | None = None,
     ) -> None:
         if not callable(messages):
             raise TypeError(f"messages must be a function of a row, got {messages!r}")
@@ -327,7 +335,12 @@ class ModelPolicy:
             not isinstance(max_new_tokens, int) or max_new_tokens < 1
         ):
             raise ValueError(f"max_new_tokens must be None or an int >= 1, got {max_new_tokens!r}")
+        if context_length is not None and (
+            not isinstance(context_length, int) or context_length < 1
+        ):
+            raise ValueError(f"context_length must be None or an int >= 1, got {context_length!r}")
         self.messages, self.max_new_tokens = messages, max_new_tokens
+        self.context_length = context_length
         self._lock = threading.Lock()  # held while a batch is sampled
         self._model_state: _TrainerModel | None = None
         self._chat: ChatTokens | None = None
@@ -359,6 +372,8 @@ class ModelPolicy:
                 temperature=temperature,
                 max_new_tokens=self.max_new_tokens or int(trainer.args.max_completion_length),
                 version=int(trainer.state.global_step),
+                context=self.context_length
+                or getattr(getattr(model, "config", None), "max_position_embeddings", None),
             )
             with self._lock:
                 self._model_state = state
@@ -377,16 +392,19 @@ class ModelPolicy:
                     "a call of RolloutFunc"
                 )
             turns = self._sample(state, batch)
-        actions = [state.chat.reply_text(turn.completion_ids) for turn in turns]
-        return PolicyOutput(actions=actions, extras=list(turns))
+        actions = [
+            turn if isinstance(turn, EndTrajectory) else state.chat.reply_text(turn.completion_ids)
+            for turn in turns
+        ]
+        extras = [None if isinstance(turn, EndTrajectory) else turn for turn in turns]
+        return PolicyOutput(actions=actions, extras=extras)
 
-    def _sample(self, state: _TrainerModel, batch: PolicyBatch) -> list[TurnTokens]:
-        import torch
-        from transformers import GenerationConfig
-
-        prompts = []
-        for trajectory, observation, env_id in zip(
-            batch.trajectories, batch.observations, batch.env_ids
+    def _sample(self, state: _TrainerModel, batch: PolicyBatch) -> list[TurnTokens | EndTrajectory]:
+        """Each row's turn, or the end of its trajectory where its prompt fills the context."""
+        ends: dict[int, EndTrajectory] = {}
+        prompts = []  # the rows to sample: (prompt ids, env start, messages)
+        for row, (trajectory, observation, env_id) in enumerate(
+            zip(batch.trajectories, batch.observations, batch.env_ids)
         ):
             messages = self.messages(PolicyRow(observation, trajectory, int(env_id)))
             if not isinstance(messages, list) or not messages:
@@ -395,7 +413,25 @@ class ModelPolicy:
                     "non-empty list of chat messages the observation adds"
                 )
             prompt_ids, env_start = turn_prompt(state.chat, trajectory.extras, messages)
-            prompts.append((prompt_ids, env_start, messages))
+            if state.context is not None and len(prompt_ids) >= state.context:
+                full = f"a prompt of {len(prompt_ids)} ids fills the model's context of "
+                full += str(state.context)
+                if not trajectory.extras:
+                    raise PolicyError(f"the opening prompt of env {env_id}: {full}")
+                ends[row] = EndTrajectory(f"context_length: {full}")
+            else:
+                prompts.append((prompt_ids, env_start, messages))
+        turns = iter(self._generate(state, prompts) if prompts else [])
+        return [ends[row] if row in ends else next(turns) for row in range(len(batch.env_ids))]
+
+    def _generate(
+        self, state: _TrainerModel, prompts: list[tuple[list[int], int, Any]]
+    ) -> list[TurnTokens]:
+        """One turn for each of ``prompts`` (prompt ids, env start, messages), sampled in one
+        ``generate`` call; each completion cut after its end of turn and at the context."""
+        import torch
+        from transformers import GenerationConfig
+
         width = max(len(ids) for ids, _, _ in prompts)
         device = state.model.device
         input_ids = torch.tensor(
@@ -426,6 +462,8 @@ class ModelPolicy:
         turns = []
         for row, (prompt_ids, env_start, messages) in enumerate(prompts):
             ids = new[row].tolist()
+            if state.context is not None:
+                ids = ids[: state.context - len(prompt_ids)]
             length, finish = len(ids), "length"
             for at, token in enumerate(ids):
                 if token in state.chat.stop_ids:
