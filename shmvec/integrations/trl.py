@@ -46,7 +46,13 @@ from shmvec.rollouts import (
     Rollouts,
     Task,
 )
-from shmvec.rollouts.tokens import ChatTokens, TurnTokens, batch_samples, turn_prompt
+from shmvec.rollouts.tokens import (
+    ChatTokens,
+    TurnTokens,
+    batch_samples,
+    context_full,
+    turn_prompt,
+)
 
 __all__ = ["ModelPolicy", "RolloutFunc", "env_reward", "user_message"]
 
@@ -413,12 +419,11 @@ class ModelPolicy:
                     "non-empty list of chat messages the observation adds"
                 )
             prompt_ids, env_start = turn_prompt(state.chat, trajectory.extras, messages)
-            if state.context is not None and len(prompt_ids) >= state.context:
-                full = f"a prompt of {len(prompt_ids)} ids fills the model's context of "
-                full += str(state.context)
+            full = context_full(prompt_ids, state.context)
+            if full is not None:
                 if not trajectory.extras:
                     raise PolicyError(f"the opening prompt of env {env_id}: {full}")
-                ends[row] = EndTrajectory(f"context_length: {full}")
+                ends[row] = EndTrajectory(full)
             else:
                 prompts.append((prompt_ids, env_start, messages))
         turns = iter(self._generate(state, prompts) if prompts else [])
@@ -441,12 +446,16 @@ class ModelPolicy:
             [[0] * (width - len(ids)) + [1] * len(ids) for ids, _, _ in prompts], device=device
         )
         stop = sorted(state.chat.stop_ids)
+        # No row keeps more ids than the context leaves it (cut below): none is made past.
+        most = state.max_new_tokens
+        if state.context is not None:
+            most = min(most, max(state.context - len(ids) for ids, _, _ in prompts))
         config = GenerationConfig(
             do_sample=True,
             temperature=state.temperature,
             top_k=0,
             top_p=1.0,
-            max_new_tokens=state.max_new_tokens,
+            max_new_tokens=most,
             eos_token_id=stop or None,
             pad_token_id=state.pad_id,
             return_dict_in_generate=True,

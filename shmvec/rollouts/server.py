@@ -46,7 +46,7 @@ from shmvec.rollouts.server_client import (
     parse_choice,
     post_completions,
 )
-from shmvec.rollouts.tokens import ChatTokens, TurnTokens, turn_prompt
+from shmvec.rollouts.tokens import ChatTokens, TurnTokens, context_full, turn_prompt
 
 #: Replies whose text is compared with the ids decoded by the policy's tokenizer, to find a
 #: tokenizer that is not the server's (ids decode to other text).
@@ -247,16 +247,12 @@ class ServerPolicy(AsyncPolicy):
             PolicyFailure: past ``retry.attempts`` failed requests, or a prompt too long.
             EndTrajectory: a prompt too long, ``on_context_full="end"`` and ``can_end``.
         """
+        full = context_full(prompt, self.context_length)
+        if full is not None:
+            raise self._context_full(full, can_end)
         budget = self.sampling.max_tokens
         if self.context_length is not None:
-            room = self.context_length - len(prompt)
-            if room < 1:
-                raise self._context_full(
-                    f"context_length: a prompt of {len(prompt)} ids fills the model's context "
-                    f"of {self.context_length}",
-                    can_end,
-                )
-            budget = min(budget, room)
+            budget = min(budget, self.context_length - len(prompt))
         out = _Completion()
         failures = 0
         while True:

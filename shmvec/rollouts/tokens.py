@@ -233,6 +233,16 @@ def _core_encoder(tokenizer: Any, probes: Sequence[str]) -> Callable[[str], list
     return encode
 
 
+def context_full(prompt_ids: Sequence[int], context: int | None) -> str | None:
+    """Why ``prompt_ids`` leave no room for a completion in a model's context of ``context``
+    ids (a ``Trajectory.reason``); None where they do, or where the context is unknown."""
+    if context is None or len(prompt_ids) < context:
+        return None
+    return (
+        f"context_length: a prompt of {len(prompt_ids)} ids fills the model's context of {context}"
+    )
+
+
 def turn_prompt(
     chat: ChatTokens, turns: Sequence[Any], messages: list[dict[str, Any]]
 ) -> tuple[list[int], int]:
@@ -345,7 +355,7 @@ def trajectory_sample(trajectory: Any) -> TokenSample:
         turn_rewards=[float(r) for r in trajectory.rewards],
         group_id=int(trajectory.group_id),
         index=int(trajectory.index),
-        status=str(getattr(trajectory.status, "value", trajectory.status)),
+        status=trajectory.status.value,
     )
 
 
@@ -388,6 +398,7 @@ __all__ = [
     "TokenSample",
     "TurnTokens",
     "batch_samples",
+    "context_full",
     "next_prompt_ids",
     "trajectory_sample",
     "turn_prompt",
