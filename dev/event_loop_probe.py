@@ -16,6 +16,10 @@ CPU of each resumption.
 
 ``iterations``: the policy thread's event-loop iterations timed (the select included), the
 ready callbacks counted at each one's start, and Python's collector timed by generation.
+
+``heap``: for shmvec and ROLL's threads alike, the start-up heap frozen (``--gc-freeze``): the
+collector's runs timed by generation, and halfway through the window what a full collection
+walks (the objects it tracks by type, and the items of the lists and dicts among them).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from shmvec.rollouts import rollouts as rollouts_module
 from shmvec.rollouts import server as server_module
 from shmvec.rollouts.server_client import InFlightLimit
 from shmvec.testing.tiny_llm import tiny_llm
-from shmvec_bench.rollouts.runner import measure
+from shmvec_bench.rollouts.runner import frozen_heap, measure
 from shmvec_bench.rollouts.server import ServerConfig
 
 Runner = policies.AsyncPolicyRunner
@@ -197,6 +201,46 @@ def iterations(config: ServerConfig, args: argparse.Namespace) -> None:
                   f"total {spans.sum() / 1e3:.2f} s")  # fmt: skip
 
 
+def heap(config: ServerConfig, args: argparse.Namespace) -> None:
+    for backend in ("shmvec", "roll-threads"):
+        heap_of(config, backend, args.seconds)
+
+
+def heap_of(config: ServerConfig, backend: str, seconds: float) -> None:
+    spans: list[tuple[int, float]] = []  # (generation, seconds) of each collection
+    census: list[tuple[collections.Counter[str], int]] = []
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spans.append((info["generation"], time.perf_counter() - started[0]))
+
+    def take_census() -> None:
+        objects = gc.get_objects()  # the generations, not the frozen heap
+        types = collections.Counter(type(o).__name__ for o in objects)
+        items = sum(len(o) for o in objects if type(o) in (list, dict))
+        census.append((types, items))
+
+    timer = threading.Timer(seconds / 2 + 10, take_census)  # the run's start takes ~10 s
+    timer.start()
+    gc.callbacks.append(on_gc)
+    with frozen_heap():
+        m = run(config, backend, seconds, 0)
+    gc.callbacks.remove(on_gc)
+    timer.cancel()
+    print(f"{backend}: {summary(m)}")
+    for gen in (0, 1, 2):
+        s = np.array([t for g, t in spans if g == gen]) * 1e3
+        if len(s):
+            print(f"  collector generation {gen}: {len(s)} runs, mean {s.mean():.2f} ms, "
+                  f"max {s.max():.2f}, total {s.sum() / 1e3:.2f} s")  # fmt: skip
+    for types, items in census:
+        print(f"  tracked objects {sum(types.values())}, list and dict items {items}; "
+              + ", ".join(f"{n} {c}" for n, c in types.most_common(12)))  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server-url", required=True)
@@ -207,12 +251,14 @@ def main() -> None:
     loops_parser.add_argument("--rounds", type=int, default=3)
     sub.add_parser("passes")
     sub.add_parser("iterations")
+    sub.add_parser("heap")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llm()))
     config = ServerConfig(args.server_url, "tiny", tokenizer, 16)
-    {"loops": loops, "passes": passes, "iterations": iterations}[args.what](config, args)
+    what = {"loops": loops, "passes": passes, "iterations": iterations, "heap": heap}
+    what[args.what](config, args)
 
 
 if __name__ == "__main__":
