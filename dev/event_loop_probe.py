@@ -18,8 +18,9 @@ CPU of each resumption.
 ready callbacks counted at each one's start, and Python's collector timed by generation.
 
 ``heap``: for shmvec and ROLL's threads alike, the start-up heap frozen (``--gc-freeze``): the
-collector's runs timed by generation, and halfway through the window what a full collection
-walks (the objects it tracks by type, and the items of the lists and dicts among them).
+collector's runs over each run (its start and warm-up included) timed by generation, and about
+halfway through the window what a full collection walks (the objects it tracks by type, and the
+items of the lists and dicts among them).
 """
 
 from __future__ import annotations
