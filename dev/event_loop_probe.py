@@ -167,10 +167,31 @@ def passes(config: ServerConfig, args: argparse.Namespace) -> None:
         print(f"  {count:7d} waited in {name}")
 
 
+class CollectorClock:
+    """A ``gc.callbacks`` entry that times each collection by generation."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, float]] = []  # (generation, seconds) of each collection
+        self.started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.spans.append((info["generation"], time.perf_counter() - self.started))
+
+    def report(self, indent: str = "") -> None:
+        for gen in (0, 1, 2):
+            s = np.array([t for g, t in self.spans if g == gen]) * 1e3
+            if len(s):
+                print(f"{indent}collector generation {gen}: {len(s)} runs, mean {s.mean():.2f} "
+                      f"ms, max {s.max():.2f}, total {s.sum() / 1e3:.2f} s")  # fmt: skip
+
+
 def iterations(config: ServerConfig, args: argparse.Namespace) -> None:
     durations: list[float] = []
     ready: list[int] = []
-    collections_by_gen: list[tuple[int, float]] = []
+    clock = CollectorClock()
     run_once = asyncio.BaseEventLoop._run_once  # type: ignore[attr-defined]
 
     def timed(self: Any) -> None:
@@ -181,25 +202,15 @@ def iterations(config: ServerConfig, args: argparse.Namespace) -> None:
         run_once(self)
         durations.append(time.perf_counter() - started)
 
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            on_gc.started = time.perf_counter()  # type: ignore[attr-defined]
-        else:
-            collections_by_gen.append((info["generation"], time.perf_counter() - on_gc.started))  # type: ignore[attr-defined]
-
     asyncio.BaseEventLoop._run_once = timed  # type: ignore[attr-defined]
-    gc.callbacks.append(on_gc)
+    gc.callbacks.append(clock)
     print(summary(run(config, "shmvec", args.seconds, 0)))
     d, k = np.array(durations) * 1e3, np.array(ready)
     print(f"iterations {len(d)}; ms (the select included): " + ", ".join(
         f"p{q} {np.percentile(d, q):.2f}" for q in (50, 90, 99, 99.9)))  # fmt: skip
     p99 = np.percentile(k, 99)
     print(f"ready callbacks at an iteration's start: mean {k.mean():.2f}, p99 {p99:.0f}")
-    for gen in (0, 1, 2):
-        spans = np.array([s for g, s in collections_by_gen if g == gen]) * 1e3
-        if len(spans):
-            print(f"collector generation {gen}: {len(spans)} runs, mean {spans.mean():.2f} ms, "
-                  f"total {spans.sum() / 1e3:.2f} s")  # fmt: skip
+    clock.report()
 
 
 def heap(config: ServerConfig, args: argparse.Namespace) -> None:
@@ -208,15 +219,8 @@ def heap(config: ServerConfig, args: argparse.Namespace) -> None:
 
 
 def heap_of(config: ServerConfig, backend: str, seconds: float) -> None:
-    spans: list[tuple[int, float]] = []  # (generation, seconds) of each collection
+    clock = CollectorClock()
     census: list[tuple[collections.Counter[str], int]] = []
-    started = [0.0]
-
-    def on_gc(phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-        else:
-            spans.append((info["generation"], time.perf_counter() - started[0]))
 
     def take_census() -> None:
         objects = gc.get_objects()  # the generations, not the frozen heap
@@ -226,17 +230,13 @@ def heap_of(config: ServerConfig, backend: str, seconds: float) -> None:
 
     timer = threading.Timer(seconds / 2 + 10, take_census)  # the run's start takes ~10 s
     timer.start()
-    gc.callbacks.append(on_gc)
+    gc.callbacks.append(clock)
     with frozen_heap():
         m = run(config, backend, seconds, 0)
-    gc.callbacks.remove(on_gc)
+    gc.callbacks.remove(clock)
     timer.cancel()
     print(f"{backend}: {summary(m)}")
-    for gen in (0, 1, 2):
-        s = np.array([t for g, t in spans if g == gen]) * 1e3
-        if len(s):
-            print(f"  collector generation {gen}: {len(s)} runs, mean {s.mean():.2f} ms, "
-                  f"max {s.max():.2f}, total {s.sum() / 1e3:.2f} s")  # fmt: skip
+    clock.report("  ")
     for types, items in census:
         print(f"  tracked objects {sum(types.values())}, list and dict items {items}; "
               + ", ".join(f"{n} {c}" for n, c in types.most_common(12)))  # fmt: skip
