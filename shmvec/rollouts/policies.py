@@ -203,9 +203,9 @@ class AsyncPolicyRunner(PolicyRunner):
             try:
                 answer.output = await self.policy.fn(row)
             except PolicyFailure as failure:
-                answer.failure = str(failure) or type(failure).__name__
+                answer.failure = _reason(failure)
             except EndTrajectory as end:
-                answer.end = str(end) or type(end).__name__
+                answer.end = _reason(end)
             except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
                 answer.error = PolicyError(
                     f"the policy raised {error!r} for the row of env {row.env_id}"
@@ -294,13 +294,10 @@ class BatchedPolicyRunner(PolicyRunner):
             self.clock.stop()
             self.calls += 1
             for row, output in zip(rows, outputs):
-                key = (row.trajectory, version)
-                action = output.action if isinstance(output, RowOutput) else None
-                if isinstance(action, EndTrajectory):
-                    end = str(action) or type(action).__name__
-                    self.answers.append(RowAnswer(key, None, error, started, ended, end=end))
-                else:
-                    self.answers.append(RowAnswer(key, output, error, started, ended))
+                answer = RowAnswer((row.trajectory, version), output, error, started, ended)
+                if output is not None and isinstance(output.action, EndTrajectory):
+                    answer.output, answer.end = None, _reason(output.action)
+                self.answers.append(answer)
             self.on_answer()
 
     def _call(
@@ -331,6 +328,11 @@ class BatchedPolicyRunner(PolicyRunner):
             self._stopping = True
             self._cond.notify_all()
         self.thread.join(timeout=5)
+
+
+def _reason(error: Exception) -> str:
+    """A ``PolicyFailure``'s or ``EndTrajectory``'s message (its type's name if it has none)."""
+    return str(error) or type(error).__name__
 
 
 def split_batch_output(output: Any, rows: int, env_ids: list[int]) -> tuple[Any, list[Any]]:
