@@ -173,15 +173,22 @@ class AwaitableEnvs:
         wanted = {w for w, _ in self._waiters}
         if None in wanted:
             return None  # it takes any env first (and none is free while it waits)
+        lost = getattr(self.envs, "lost_env_ids", ())
         for kind in [tag] if tag is not None else list(self._free):
             free = self._free.get(kind)
-            if free and kind not in wanted:
-                return free.popleft()
+            while free and kind not in wanted:
+                env = free.popleft()
+                if env not in lost:
+                    return env
         return None
 
     def _free_env(self, env: int) -> None:
-        """Gives ``env`` to the first waiter that takes its tag, or back to the free list."""
+        """Gives ``env`` to the first waiter that takes its tag, or back to the free list;
+        an env that takes no more work (``ClusterVectorEnv.lost_env_ids``: its node was
+        lost) leaves the pool instead."""
         self._handles[env] = None
+        if env in getattr(self.envs, "lost_env_ids", ()):
+            return
         tag = self.env_tags[env]
         for i, (wanted, waiter) in enumerate(self._waiters):
             if wanted is None or wanted == tag:
@@ -232,8 +239,6 @@ class AwaitableEnvs:
 
     def _deliver(self, results: list[tuple[int, Result]]) -> None:
         """The dispatcher's rows, on the event loop: each to its env's future."""
-        assert self._dispatcher is not None
-        self._dispatcher.handled += 1
         for env, result in results:
             handle = self._handles[env]
             if env in self._draining:

@@ -3,15 +3,15 @@
 
 Data flow: the event loop's thread queues ``(env, command)`` pairs (``submit``); each turn
 the dispatcher takes every queued command, starts the resets with one ``async_reset`` and
-the steps with one ``send``, then receives one batch (``recv(partial=True)``: fewer rows
-when fewer envs run) and hands its rows, cut into one ``Result`` each, to the event loop
-with a single ``call_soon_threadsafe``. While nothing runs it sleeps on a condition that
-``submit`` signals. ``recv`` cannot be woken early, so it blocks in slices: ``POLL_S``
-while results are on their way to coroutines or commands keep coming (a command waits at
-most that long to be sent), doubling up to ``RECV_SLICE_S`` while none comes (coroutines
-that wait on a model for seconds cost no polling).
+the steps with one ``send``, then takes the results that are in
+(``recv(take_ready=True, partial=True)``) and hands their rows, cut into one ``Result``
+each, to the event loop with a single ``call_soon_threadsafe``. No result waits for
+another env: ``recv`` blocks at most ``POLL_S`` for its batch to fill, and returns the rows
+that are in by then, so a result reaches its coroutine within ``POLL_S`` of arriving and a
+command is sent within ``POLL_S`` of its ``submit``, whatever the other envs are doing.
+While nothing runs the thread sleeps on a condition that ``submit`` signals.
 
-Who may call what: ``submit``, ``stop`` and ``handled`` from the event loop's thread;
+Who may call what: ``submit`` and ``stop`` from the event loop's thread;
 everything else runs in the dispatcher's thread.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from shmvec.batching import unbatch_info
+from shmvec.batching import infos_by_row
 from shmvec.errors import EnvDeadlineError, EnvFailure, EnvStepError, EnvWorkerDiedError
 from shmvec.rollouts.rows import rows_of
 
@@ -37,6 +37,7 @@ FAILURE_INFOS = {
     "env_error": "env_error",
     "worker_restarted": "worker_died",
     "actor_restarted": "worker_died",
+    "node_lost": "worker_died",
     "step_deadline": "deadline",
 }
 FAILURES: dict[str, type[EnvFailure]] = {
@@ -46,14 +47,13 @@ FAILURES: dict[str, type[EnvFailure]] = {
 }
 #: Infos that are the layer's, not the env's: no coroutine's ``info`` carries them.
 _OWN_KEYS = frozenset({"env_id", *FAILURE_INFOS, *(f"_{k}" for k in FAILURE_INFOS)})
-#: The longest ``recv`` slice: a command that comes after a quiet spell waits at most this
-#: long to be sent (or until a batch is full). A timed-out ``recv`` costs ~90 us of CPU with
-#: 1,000 envs running (2-vCPU VM, 2026-11-27): 50 a second are 0.5% of a core.
-RECV_SLICE_S = 0.02
 #: How long the dispatcher sleeps with nothing to do before it looks at its stop flag
 #: (``submit`` and ``stop`` wake it at once).
 IDLE_S = 1.0
-#: The shortest ``recv`` slice, while commands keep coming (the rollout layer's ``POLL_S``).
+#: The longest a ``recv`` waits for its batch to fill while envs run: the bound on how
+#: long a result waits for its coroutine, and a command to be sent. A ``recv`` that times
+#: out with no result in costs ~0.1 ms of CPU (2-vCPU VM): polling while every running env
+#: is in a long call costs ~5% of a core (docs/design/heuristics.md, "Awaitable envs").
 POLL_S = 0.002
 
 
@@ -91,17 +91,12 @@ class Dispatcher:
         self.deliver, self.stopped = deliver, stopped
         self.num_envs = envs.num_envs
         self.space = envs.single_action_space
-        #: Batches handed to the loop (this thread's count) and run there (the loop's):
-        #: while they differ, results are on their way to coroutines that will send soon.
-        self.handed = 0
-        self.handled = 0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._queue: list[tuple[int, tuple]] = []
         self._idle = False  # the thread sleeps on _wake
         self._stopping = False
         self._in_flight = 0
-        self._slice = POLL_S  # the next recv's timeout while no batch is on its way
         self._thread = threading.Thread(target=self._run, name="shmvec-awaitable", daemon=True)
         self._thread.start()
 
@@ -113,8 +108,7 @@ class Dispatcher:
                 self._wake.notify()
 
     def stop(self) -> None:
-        """Stops the thread after its current ``recv`` slice (``RECV_SLICE_S``); waits
-        for it."""
+        """Stops the thread after its current ``recv`` (``POLL_S``); waits for it."""
         with self._lock:
             self._stopping = True
             self._wake.notify()
@@ -149,8 +143,6 @@ class Dispatcher:
             self._start(resets)
         if steps:
             self._send(steps)
-        if queue:
-            self._slice = POLL_S
         self._receive()
         return True
 
@@ -170,16 +162,12 @@ class Dispatcher:
         self._in_flight += len(steps)
 
     def _receive(self) -> None:
-        on_its_way = self.handed != self.handled
         try:
             obs, rewards, terminations, truncations, infos = self.envs.recv(
-                timeout=POLL_S if on_its_way else self._slice, partial=True
+                timeout=POLL_S, partial=True, take_ready=True
             )
         except (multiprocessing.TimeoutError, TimeoutError):
-            if not on_its_way:
-                self._slice = min(2 * self._slice, RECV_SLICE_S)
             return
-        self._slice = POLL_S
         env_ids = infos["env_id"].tolist()
         self._in_flight -= len(env_ids)
         failures = [
@@ -187,7 +175,8 @@ class Dispatcher:
             for key, what in FAILURE_INFOS.items()
             if f"_{key}" in infos
         ]
-        env_infos = {k: v for k, v in infos.items() if k not in _OWN_KEYS}
+        # Each row's info as its env returned it (Python scalars stay Python scalars).
+        by_row = infos_by_row(self.envs, infos) if infos.keys() - _OWN_KEYS else None
         rewards, terminations, truncations = (
             rewards.tolist(), terminations.tolist(), truncations.tolist()
         )  # fmt: skip
@@ -196,7 +185,7 @@ class Dispatcher:
             failure = next(
                 ((what, str(values[i])) for mask, values, what in failures if mask[i]), None
             )
-            info = unbatch_info(env_infos, i) if env_infos else {}
+            info = by_row.info(i, _OWN_KEYS) if by_row is not None else {}
             results.append(
                 (
                     env,
@@ -206,5 +195,4 @@ class Dispatcher:
                     ),
                 )
             )  # fmt: skip
-        self.handed += 1
         self.loop.call_soon_threadsafe(self.deliver, results)

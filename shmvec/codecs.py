@@ -187,16 +187,58 @@ class ArrayCodec(Codec):
 
 
 class TextCodec(Codec):
-    """Text as fixed-length int32 character codes, padded with -1."""
+    """Text as fixed-length int32 character codes (indices into the space's
+    ``character_list``), padded with -1 from the end of the text.
+
+    Encoding and decoding are numpy passes over the text's own characters
+    (UTF-32 code points mapped through the charset), and the padding is found
+    by searching from the start in growing chunks: a value costs its length,
+    not the space's ``max_length`` (a 516-character text in
+    ``Text(max_length=16384)``: docs/design/text.md).
+    """
 
     def __init__(self, space: spaces.Text, path: str) -> None:
         self.space = space
         self.path = path
         self.charset = list(space.character_list)
         self.codes = {c: i for i, c in enumerate(self.charset)}
+        # For charsets of single characters (gymnasium's): code -> code point, and
+        # code point -> code (-1: not in the charset), a table up to the largest code
+        # point plus one -1 that every larger point is clamped to. Other charsets (or
+        # one with a character past U+FFFF, whose table would be megabytes) take the
+        # per-character path.
+        self._points: np.ndarray | None = None
+        self._table: np.ndarray | None = None
+        if self.charset and all(isinstance(c, str) and len(c) == 1 for c in self.charset):
+            points = np.array([ord(c) for c in self.charset], dtype=np.uint32)
+            if points.max() < 0x10000:
+                self._points = points
+                self._table = np.full(int(points.max()) + 2, -1, dtype=np.int32)
+                self._table[points] = np.arange(len(points), dtype=np.int32)
 
     def columns(self):
         return [ColumnSpec(np.dtype(np.int32), (self.space.max_length,))]
+
+    def _encode(self, value: Any) -> np.ndarray | list[int]:
+        """The codes of ``value``; ValueError naming a character not in the charset."""
+        if self._table is None or not isinstance(value, str):
+            try:
+                return [self.codes[c] for c in value]
+            except KeyError as e:
+                raise ValueError(
+                    f"text{self.path} {value!r} has character {e.args[0]!r}, not in the "
+                    "space's charset"
+                ) from None
+        table = self._table
+        points = np.frombuffer(value.encode("utf-32-le", "surrogatepass"), np.uint32)
+        codes = table[np.minimum(points, len(table) - 1)]
+        bad = codes < 0
+        if bad.any():
+            char = value[int(bad.argmax())]
+            raise ValueError(
+                f"text{self.path} {value!r} has character {char!r}, not in the space's charset"
+            )
+        return codes
 
     def write(self, views, row, value):
         if len(value) > self.space.max_length:
@@ -204,19 +246,20 @@ class TextCodec(Codec):
                 f"text{self.path} {value!r} is longer than its space's "
                 f"max_length={self.space.max_length}"
             )
-        try:
-            codes = [self.codes[c] for c in value]
-        except KeyError as e:
-            raise ValueError(
-                f"text{self.path} {value!r} has character {e.args[0]!r}, not in the space's charset"
-            ) from None
+        codes = self._encode(value)
         out = views[0][row]
-        out[: len(codes)] = codes
-        out[len(codes) :] = -1
+        n = len(codes)
+        old_end = _padding_start(out)  # the previous text's end: pad only up to it
+        out[:n] = codes
+        if n < len(out):
+            out[n : max(old_end, n + 1)] = -1
 
     def _decode(self, codes: np.ndarray) -> str:
-        charset = self.charset
-        return "".join(charset[c] for c in codes.tolist() if c >= 0)
+        n = _padding_start(codes)
+        if self._points is None:
+            charset = self.charset
+            return "".join(charset[c] for c in codes[:n].tolist() if c >= 0)
+        return self._points[codes[:n]].tobytes().decode("utf-32-le", "surrogatepass")
 
     def read_batch(self, views, copy, spills=None):
         return tuple(self._decode(row) for row in views[0])
@@ -232,6 +275,25 @@ class TextCodec(Codec):
 
     def read(self, views, row, spill=None):
         return self._decode(views[0][row])
+
+
+#: The first chunk ``_padding_start`` searches: most texts end within it; each
+#: next chunk is 4 times longer, so a search reads at most about 4 times the
+#: text's length past the first chunk.
+_FIRST_CHUNK = 1024
+
+
+def _padding_start(codes: np.ndarray) -> int:
+    """The index of the first negative code of the 1-D ``codes`` (its length if none)."""
+    start, size, n = 0, _FIRST_CHUNK, len(codes)
+    while start < n:
+        stop = min(start + size, n)
+        pad = codes[start:stop] < 0
+        first = int(pad.argmax())
+        if pad[first]:
+            return start + first
+        start, size = stop, size * 4
+    return n
 
 
 class Utf8TextCodec(Codec):

@@ -47,6 +47,27 @@ _CELL_VIEWS: list[Any] = [None] + [
 CELL_KINDS = [None] + [d.kind for d in _CELL_VIEWS[1:]]  # "f", "u" or "i", by code
 
 
+#: Where each row's value of a column key comes from (``RowInfos``, shmvec/batching.py):
+#: ``(code, batch)`` when every row reported the key with one type (``batch``: its
+#: batched array, which holds each value exactly), else ``(codes, cells)``, copies of
+#: the batch's rows.
+ColumnSources = dict[Any, tuple[Any, np.ndarray]]
+#: ``column_value`` of a row that did not report the key.
+MISSING = object()
+
+
+def column_value(source: tuple[Any, np.ndarray], row: int) -> Any:
+    """Row ``row``'s value of one ``ColumnSources`` entry, as its env returned it
+    (``MISSING`` if it did not report the key)."""
+    code, values = source
+    if isinstance(code, int):
+        return SCALAR_TYPES[code - 1](values[row].item())
+    row_code = int(code[row])
+    if not row_code:
+        return MISSING
+    return _decode(row_code, values[row : row + 1])
+
+
 def _decode(code: int, cell: np.ndarray) -> Any:
     """The scalar stored in ``cell`` (a uint64), as its original type."""
     return SCALAR_TYPES[code - 1](cell.view(_CELL_VIEWS[code]).item())
@@ -85,15 +106,24 @@ def gather(
 
 
 def merge_uniform(
-    schemas: list[dict], groups: Callable[[], list], codes: np.ndarray, cells: np.ndarray, rows: int
+    schemas: list[dict],
+    groups: Callable[[], list],
+    codes: np.ndarray,
+    cells: np.ndarray,
+    rows: int,
+    sources: ColumnSources | None = None,
 ) -> dict:
     """``merge_columns(gather(...))`` with no other infos, faster where every
     worker numbered its columns alike and every row reports a key with one
     type (the steady state of Atari's infos): one C scan of the type codes
-    instead of several numpy passes a key."""
+    instead of several numpy passes a key. ``sources``, if given, gets where
+    each row's value of each key comes from."""
     first = schemas[0]
     if not all(schema == first for schema in schemas):
-        return merge_columns({}, gather(schemas, groups, codes, cells, rows), rows)
+        gathered = gather(schemas, groups, codes, cells, rows)
+        if sources is not None:
+            sources.update(copied_sources(gathered))
+        return merge_columns({}, gathered, rows)
     # _worker_loop imports this module's constants, so it is imported here, once
     # both are loaded, whichever was imported first.
     from shmvec._worker_loop import uniform_codes
@@ -104,11 +134,21 @@ def merge_uniform(
         if code:
             infos[key] = cells[:rows, col].view(_CELL_VIEWS[code]).astype(_BATCH_DTYPES[code])
             infos[f"_{key}"] = np.ones(rows, dtype=bool)
+            if sources is not None:
+                sources[key] = (int(code), infos[key])
             continue
         key_codes = codes[:rows, col]
         if key_codes.any():
-            merge_columns(infos, {key: (key_codes, cells[:rows, col])}, rows)
+            gathered = {key: (key_codes, cells[:rows, col])}
+            if sources is not None:
+                sources.update(copied_sources(gathered))
+            merge_columns(infos, gathered, rows)
     return infos
+
+
+def copied_sources(gathered: dict) -> ColumnSources:
+    """``ColumnSources`` of ``gather``'s arrays, copied (they may be ring views)."""
+    return {key: (codes.copy(), cells.copy()) for key, (codes, cells) in gathered.items()}
 
 
 def merge_columns(infos: dict, gathered: dict, num_envs: int) -> dict:

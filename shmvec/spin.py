@@ -10,13 +10,17 @@ The rule: when every process has a core of its own (or only main is over, on
 (``MANY_CORES_SPIN_CAP_NS`` from ``MANY_CORES`` on); when processes share cores,
 main does not spin (it would steal the worker it waits for), workers that each
 have a core spin adaptively, and more workers than cores spin a fixed
-``SHARED_SPIN_NS``. The measurements behind each cap: docs/design/heuristics.md.
+``SHARED_SPIN_NS``. Under a cgroup CPU quota below the affinity, processes share
+cores however many there are: a spinning main spends quota time the workers
+need, even where a core is idle. The cores are the ones the process may use
+(``available_cpus``). The measurements behind each cap: docs/design/heuristics.md.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
+
+from shmvec.cpus import cpu_budget
 
 #: The adaptive spin's cap when each spinner has a core (halt-polling's default too).
 SPIN_CAP_NS = 200_000
@@ -57,17 +61,23 @@ class SpinPolicy(NamedTuple):
 
 
 def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """How many CPUs this process may use: the fewest of its affinity's CPUs, its
+    cgroup CPU quota (rounded down, at least 1) and its Ray actor's CPUs
+    (``shmvec.cpus.cpu_budget``)."""
+    return cpu_budget().cpus
 
 
-def default_spin(num_processes: int, cpus: int | None = None) -> SpinPolicy:
-    """The adaptive policy above for ``num_processes`` worker processes on ``cpus`` cores."""
-    cpus = available_cpus() if cpus is None else cpus
+def default_spin(
+    num_processes: int, cpus: int | None = None, quota_limited: bool = False
+) -> SpinPolicy:
+    """The adaptive policy above for ``num_processes`` worker processes on ``cpus``
+    cores; ``quota_limited``: the cores are a cgroup quota's time, which every
+    process shares. ``cpus=None``: this process's (``shmvec.cpus.cpu_budget``)."""
+    if cpus is None:
+        budget = cpu_budget()
+        cpus, quota_limited = budget.cpus, quota_limited or budget.quota_limited
     over = num_processes + 1 - cpus
-    if over <= 0 or (over == 1 and cpus >= MANY_CORES):
+    if not quota_limited and (over <= 0 or (over == 1 and cpus >= MANY_CORES)):
         cap = Spin(MANY_CORES_SPIN_CAP_NS if cpus >= MANY_CORES else SPIN_CAP_NS, adaptive=True)
         return SpinPolicy(main=cap, worker=cap)
     if num_processes <= cpus:  # a core per worker; main shares one

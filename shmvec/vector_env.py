@@ -51,6 +51,7 @@ from gymnasium.vector.vector_env import ArrayType, AutoresetMode
 from shmvec.actions import ActionWriter
 from shmvec.batching import (
     Options,
+    RowInfos,
     Seeds,
     VectorEnvBase,
     check_reset_mask,
@@ -115,8 +116,9 @@ class ShmVectorEnv(VectorEnvBase):
         max_concurrency (int | None, default None): at most this many envs stepping
             at once (as many workers).
         num_workers (int | None, default None): worker processes; None:
-            ``min(num_envs, cpus)``. ``0``: every env in the main process, through the
-            same code (for debugging).
+            ``min(num_envs, cpus)``, the CPUs the process may use (affinity, cgroup CPU
+            quota rounded down, Ray actor's CPUs: ``shmvec.spin.available_cpus``).
+            ``0``: every env in the main process, through the same code (for debugging).
         batch_size (int | None, default None): with ``batch_size < num_envs``, the
             async engine: use ``async_reset``/``send``/``recv`` (see
             shmvec/engine/async_engine.py). None: ``num_envs``.
@@ -392,6 +394,13 @@ class ShmVectorEnv(VectorEnvBase):
     def _async_engine(self) -> AsyncEngine:
         assert self._async is not None, "batch_size < num_envs"
         return self._async
+
+    def row_infos(self) -> RowInfos:
+        """The infos of the last ``reset``, ``step`` or ``recv``, row by row, each as
+        its env returned it: ``row_infos().info(i)`` is row ``i``'s dict, Python
+        ``int``/``float``/``bool`` values included (the batched infos, gymnasium's,
+        hold them as numpy scalars). Valid until the next batch."""
+        return self._decoder.row_infos()
 
     # ------------------------------------------------------------- call & co
 

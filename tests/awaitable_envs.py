@@ -109,3 +109,21 @@ def guess_envs():
         on_env_error="reset",
         on_worker_death="restart",
     )
+
+
+class DigitGuessEnv(GuessTextEnv):
+    """``GuessTextEnv`` whose action is one digit: ``Text(1, charset="0123456789")``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.action_space = spaces.Text(1, min_length=1, charset="0123456789")
+
+
+def digit_guess_envs():
+    """8 ``DigitGuessEnv`` in 2 workers, set up for leasing."""
+    import shmvec
+
+    return shmvec.ShmVectorEnv(
+        [DigitGuessEnv] * 8, num_workers=2, batch_size=2, env_concurrency=4,
+        on_env_error="reset", on_worker_death="restart",
+    )  # fmt: skip

@@ -8,7 +8,10 @@ Both listen on 127.0.0.1 only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -33,10 +36,22 @@ class Seen:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     disconnected: bool = False
+    tag: Any = None  # ``FakeServer.tag()`` when the request arrived
+    finish: str = "length"  # the finish reason it answers with
+    text: str | None = None  # the text it answers with (None: its ids decoded)
 
 
-#: What the fake server may do with a request (``fault(seen_so_far, body) -> str``).
-FAULTS = ("ok", "503", "429", "500", "hang", "empty", "null_logprobs", "drop", "context", "bad")
+#: What the fake server may do with a request (``fault(seen_so_far, body) -> str``). At the
+#: transport level: ``garbage`` (a 200 body, or one streamed chunk, that is not JSON),
+#: ``reset`` (the connection reset before any reply), ``disconnect`` (closed before any
+#: reply, as a server that exits closes it), ``truncate`` (a body cut short of its
+#: length, or a stream that ends before the completion does), ``drop`` (the connection
+#: closed mid-stream), ``hang`` (no reply for ``hang_s``), ``stall`` (a stream that stops
+#: for ``hang_s`` after its first tokens).
+FAULTS = (
+    "ok", "503", "429", "500", "hang", "empty", "null_logprobs", "drop", "context", "bad",
+    "garbage", "reset", "disconnect", "truncate", "stall",
+)  # fmt: skip
 
 
 class FakeServer:
@@ -49,6 +64,11 @@ class FakeServer:
     what request ``n`` gets (``FAULTS``); ``hold`` (an asyncio-free ``threading.Event``),
     when given, stalls each first-time streamed request after ``hold_after`` tokens until
     it is set. ``seen`` lists every completions request; ``active`` counts those in progress.
+    ``edit(prompt, ids) -> ids`` (as many) changes each drawn completion; ``tag()`` is called
+    as each request arrives (``Seen.tag``). The request's ``stop``, ``stop_token_ids``,
+    ``ignore_eos``, ``min_tokens`` and ``include_stop_str_in_output`` stop the completion as
+    vLLM's do (``vllm_stop``).
+    ``stop()`` and ``start()`` again serve on the same port (connections are refused between).
     """
 
     def __init__(
@@ -65,7 +85,10 @@ class FakeServer:
         hold: threading.Event | None = None,
         hold_after: int = 3,
         port: int | None = None,
+        edit: Callable[[list[int], list[int]], list[int]] | None = None,
+        tag: Callable[[], Any] | None = None,
     ) -> None:
+        self.edit, self.tag = edit, tag
         self.tokenizer, self.fault = tokenizer, fault or (lambda n, body: "ok")
         self.models, self.max_model_len, self.tokenize = models, max_model_len, tokenize
         self.openai, self.token_delay_s, self.hang_s = openai, token_delay_s, hang_s
@@ -94,6 +117,8 @@ class FakeServer:
         self.stop()
 
     def start(self) -> None:
+        if self._loop.is_closed():  # started again after a stop
+            self._loop, self._started = asyncio.new_event_loop(), threading.Event()
         self._thread = threading.Thread(target=self._serve, name="fake-llm-server", daemon=True)
         self._thread.start()
         if not self._started.wait(10):
@@ -104,7 +129,7 @@ class FakeServer:
             return
         if self.hold is not None:
             self.hold.set()
-        future = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._close(), self._loop)
         future.result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
@@ -112,6 +137,16 @@ class FakeServer:
             raise RuntimeError("the fake server's thread did not stop")
         self._thread = None
         self._loop.close()
+
+    async def _close(self) -> None:
+        # Processes forked while the server listened (env workers) hold its listening socket:
+        # shut it down for all of them, so that connections are refused, not queued, and the
+        # port can be bound again.
+        for site in self._runner.sites:
+            for sock in getattr(site._server, "sockets", None) or ():
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        await self._runner.cleanup()
 
     def _serve(self) -> None:
         from aiohttp import web
@@ -169,6 +204,8 @@ class FakeServer:
     def _draw(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
         rng = np.random.default_rng(abs(hash(tuple(prompt))) % 2**32)
         ids = [int(i) for i in rng.choice(self.ordinary, size=n)]
+        if self.edit is not None:
+            ids = self.edit(list(prompt), ids)[:n]
         logprobs = [float(-(i % 11) - 0.25) for i in ids]
         return ids, logprobs
 
@@ -184,6 +221,7 @@ class FakeServer:
             )
         fault = self.fault(len(self.seen), body)
         seen = Seen(list(prompt), max_tokens, bool(body.get("stream")), fault)
+        seen.tag = self.tag() if self.tag is not None else None
         self.seen.append(seen)
         self.active += 1
         self.max_active = max(self.max_active, self.active)
@@ -204,15 +242,33 @@ class FakeServer:
             if fault == "hang":
                 await asyncio.sleep(self.hang_s)
                 return web.json_response({"error": {"message": "too late"}}, status=500)
+            if fault in ("reset", "disconnect"):
+                if fault == "reset":
+                    _reset(request)
+                else:
+                    request.transport.close()
+                seen.disconnected = True
+                return web.Response()  # never sent: the connection is gone
             ids, logprobs = self._draw(prompt, max_tokens)
+            if self.edit is not None or any(
+                body.get(k) for k in ("stop", "stop_token_ids", "min_tokens")
+            ):
+                kept, seen.text, seen.finish = vllm_stop(self.tokenizer, body, ids)
+                ids, logprobs = ids[:kept], logprobs[:kept]
             if seen.stream:
                 return await self._stream(request, seen, ids, logprobs)
+            if fault == "garbage":
+                return web.Response(
+                    text='{"id": "x", "choices": [{"tok', content_type="application/json"
+                )
+            if fault == "truncate":
+                return await self._truncated(request, seen, ids, logprobs)
             if fault == "empty":
                 return web.json_response({"id": "x", "object": "text_completion", "choices": []})
             if self.token_delay_s:  # as long as streaming the ids would take
                 await asyncio.sleep(self.token_delay_s * len(ids))
             seen.ids, seen.logprobs = ids, logprobs
-            choice = self._choice(ids, logprobs, "length")
+            choice = self._choice(ids, logprobs, seen.finish, seen.text)
             if fault == "null_logprobs":
                 choice["logprobs"] = None
             return web.json_response(
@@ -230,10 +286,12 @@ class FakeServer:
             self.active -= 1
             self.answering_s += time.monotonic() - started
 
-    def _choice(self, ids: list[int], logprobs: list[float], finish: str | None) -> dict:
+    def _choice(
+        self, ids: list[int], logprobs: list[float], finish: str | None, text: str | None = None
+    ) -> dict:
         return {
             "index": 0,
-            "text": self.tokenizer.decode(ids, skip_special_tokens=True),
+            "text": self.tokenizer.decode(ids, skip_special_tokens=True) if text is None else text,
             "token_ids": ids,
             "logprobs": {"token_logprobs": logprobs, "tokens": [str(i) for i in ids]},
             "finish_reason": finish,
@@ -257,9 +315,16 @@ class FakeServer:
                 request.transport.close()  # the connection breaks mid-stream
                 seen.disconnected = True
                 return response
+            if seen.fault == "garbage" and k == len(ids) // 2:
+                await response.write(b'data: {"id": "x", "choices": [{"tok\n\n')
+            if seen.fault == "truncate" and k == len(ids) // 2:
+                await response.write_eof()  # ends cleanly, before the completion's end
+                return response
+            if seen.fault == "stall" and k == len(ids) // 2:
+                await asyncio.sleep(self.hang_s)
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
-            finish = "length" if k == len(ids) - 1 else None
+            finish = seen.finish if k == len(ids) - 1 else None
             chunk = {
                 "id": "x",
                 "object": "text_completion",
@@ -271,6 +336,32 @@ class FakeServer:
         await response.write(b"data: [DONE]\n\n")
         return response
 
+    async def _truncated(self, request: Any, seen: Seen, ids: list[int], logprobs: list[float]):
+        """A reply whose body stops halfway through its declared length."""
+        from aiohttp import web
+
+        reply = {
+            "id": "x",
+            "object": "text_completion",
+            "choices": [self._choice(ids, logprobs, "length")],
+        }
+        body = json.dumps(reply).encode()
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(body)
+        await response.prepare(request)
+        await response.write(body[: len(body) // 2])
+        request.transport.close()
+        seen.disconnected = True
+        return response
+
+
+def _reset(request: Any) -> None:
+    """Resets the request's connection (a TCP RST: no reply, no orderly close)."""
+    sock = request.transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    request.transport.abort()
+
 
 def random_faults(rate: float, seed: int, kinds: tuple[str, ...] = ("503", "hang")):
     """A ``fault`` that answers each request with one of ``kinds`` with probability ``rate``."""
@@ -280,3 +371,34 @@ def random_faults(rate: float, seed: int, kinds: tuple[str, ...] = ("503", "hang
         return str(rng.choice(kinds)) if rng.random() < rate else "ok"
 
     return fault
+
+
+def vllm_stop(tokenizer: Any, body: dict, ids: list[int]) -> tuple[int, str, str]:
+    """``(kept, text, finish_reason)``: where vLLM (0.32's detokenizer and scheduler, one id
+    at a time) ends the completion ``ids`` under the request ``body``'s stop fields, and the
+    text it answers with. Its sampler masks stop ids within the first ``min_tokens``; here
+    they do not count there."""
+    stops = body.get("stop") or []
+    stops = [stops] if isinstance(stops, str) else list(stops)
+    stop_ids = set(body.get("stop_token_ids") or [])
+    if not body.get("ignore_eos") and tokenizer.eos_token_id is not None:
+        stop_ids.add(tokenizer.eos_token_id)
+    include = bool(body.get("include_stop_str_in_output"))
+    min_tokens = int(body.get("min_tokens") or 0)
+    skip = body.get("skip_special_tokens", True)
+    text = ""
+    for k, i in enumerate(ids):
+        n = k + 1
+        if k >= min_tokens and i in stop_ids:  # the id is kept, its text only with include
+            return n, tokenizer.decode(ids[: n if include else k], skip_special_tokens=skip), "stop"
+        before, text = text, tokenizer.decode(ids[:n], skip_special_tokens=skip)
+        if n > min_tokens:
+            found = [
+                (at + len(stop), at, stop)
+                for stop in stops
+                if (at := text.find(stop, max(len(before) - len(stop) + 1, 0))) >= 0
+            ]
+            if found:  # the one that ends first (ties: the first listed)
+                end, at, _ = min(found, key=lambda f: f[0])
+                return n, text[: end if include else at], "stop"
+    return len(ids), text, "length"

@@ -146,3 +146,119 @@ def test_api_reference_covers_public_names() -> None:
     ]
     assert "shmvec.torch.TorchVectorEnv" in documented
     assert not missing, f"no API reference entry for {missing}"
+
+
+# The performance page holds the current figures; the guides cite them.
+PERFORMANCE = ROOT / "docs" / "performance.md"
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+#: A summary figure: one number, a ratio (x) or a share (%), in bold or not.
+FIGURE = re.compile(r"\*{0,2}[0-9][0-9.,]*(x|%)?\*{0,2}")
+
+
+def _slug(heading: str) -> str:
+    """The anchor MyST gives a heading (``myst_heading_anchors``)."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,3} (.+)$", FENCE.sub("", text), re.M):
+        slug, n = _slug(heading), 0
+        while (slug if n == 0 else f"{slug}-{n}") in anchors:
+            n += 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """(heading, body) of each ``##``/``###`` section."""
+    parts = re.split(r"^(#{2,3} .+)$", FENCE.sub("", text), flags=re.M)
+    return list(zip(parts[1::2], parts[2::2]))
+
+
+def _summary_rows(text: str) -> list[list[str]]:
+    body = dict(_sections(text)).get("## Summary", "")
+    lines = [line for line in body.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", FENCE.sub("", text)) if p.strip()]
+
+
+def _check_performance_page(text: str) -> list[str]:
+    problems = []
+    if text.count("\n") > 600:
+        problems.append(f"{text.count(chr(10))} lines (at most 600)")
+    rows = _summary_rows(text)
+    if not 0 < len(rows) <= 25:
+        problems.append(f"{len(rows)} summary rows (1 to 25)")
+    claims = [(row[0], row[1]) for row in rows]
+    problems += [f"claim {c} in more than one row" for c in set(claims) if claims.count(c) > 1]
+    anchors = _anchors(text)
+    for row in rows:
+        if len(row) != 5:
+            problems.append(
+                f"summary row {row}: 5 cells (workload, against, figure, machine and date, details)"
+            )
+            continue
+        problems += [f"summary cell over 25 words: {c!r}" for c in row if len(c.split()) > 25]
+        if not FIGURE.fullmatch(row[2]):
+            problems.append(f"summary figure {row[2]!r} is not one figure")
+        if len(DATE.findall(row[3])) != 1:
+            problems.append(f"summary row {row[0]!r}: one machine and date")
+        targets = [link[1:] for link in LINK.findall(row[4]) if link.startswith("#")]
+        if not targets or any(t not in anchors for t in targets):
+            problems.append(f"summary row {row[0]!r}: no link to a section of the page")
+    for heading, body in _sections(text):
+        has_figures = re.search(r"^\|.*\d.*\|$", body, re.M) and heading != "## Summary"
+        if has_figures and "benchmarks/data/" not in body:
+            problems.append(f"{heading}: figures without a link to their data file")
+    return problems
+
+
+def test_performance_page_holds_current_figures() -> None:
+    # One summary row per claim, each a figure linked to its section; each section's
+    # figures link to their data; older runs live in the benchmark log.
+    assert _check_performance_page(PERFORMANCE.read_text()) == []
+
+
+def test_relative_links_resolve() -> None:
+    # Every data file, plot and page a docs page links to is in the repository.
+    missing = [
+        f"{page.relative_to(ROOT)}: {target}"
+        for page in PAGES
+        for target in LINK.findall(page.read_text())
+        if not re.match(r"[a-z]+:|#", target) and not (page.parent / target.split("#")[0]).exists()
+    ]
+    assert not missing, missing
+
+
+def _check_cites_one_run(page: Path, max_dates: int | None) -> list[str]:
+    text = page.read_text()
+    problems = []
+    if max_dates is not None and len(DATE.findall(text)) > max_dates:
+        problems.append(f"{len(DATE.findall(text))} dates (at most {max_dates})")
+    for paragraph in _paragraphs(text):
+        runs = set(DATE.findall(paragraph))
+        data = {t for t in LINK.findall(paragraph) if "benchmarks/data/" in t}
+        if len(runs) > 1 or (page.parent.name == "guides" and len(data) > 1):
+            problems.append(
+                f"cites {len(runs)} dates and {len(data)} data files: {paragraph[:80]!r}"
+            )
+    return problems
+
+
+@pytest.mark.parametrize(
+    "page",
+    sorted([*(ROOT / "docs" / "guides").glob("*.md"), *(ROOT / "docs" / "design").glob("*.md")]),
+    ids=lambda page: str(page.relative_to(ROOT)),
+)
+def test_pages_cite_one_run_a_paragraph(page: Path) -> None:
+    # A guide says when to choose an option, with the current figure linked to the
+    # performance page; the runs behind it live there and in the benchmark log.
+    max_dates = 3 if page.parent.name == "guides" else None
+    assert _check_cites_one_run(page, max_dates) == []

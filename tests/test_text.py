@@ -137,6 +137,50 @@ def test_bounded_text_keeps_its_int32_codes():
     assert [(c.dtype, c.shape) for c in codec.columns()] == [(np.dtype(np.int32), (5,))]
 
 
+#: Charsets of bounded ``Text``: gymnasium's default, any characters up to U+FFFF,
+#: and one past it (the per-character path).
+CHARSETS = [
+    pytest.param(None, id="alphanumeric"),
+    pytest.param("ab é✓\x00中\ufffe", id="unicode"),
+    pytest.param("xy😀", id="astral"),
+]
+
+
+@pytest.mark.parametrize("charset", CHARSETS)
+def test_bounded_text_codes_round_trip_and_refuse_bad_text(charset):
+    space = spaces.Text(300, charset=charset) if charset else spaces.Text(300)
+    codec = make_codec(space)
+    chars = list(space.character_list)
+    rng = np.random.default_rng(0)
+    views = [np.zeros((3, 300), np.int32)]  # a fresh segment's rows are zeros
+    for _ in range(60):
+        row = int(rng.integers(3))
+        text = "".join(rng.choice(chars, int(rng.integers(0, 301))))
+        codec.write(views, row, text)
+        want = [chars.index(c) for c in text]
+        assert views[0][row].tolist() == want + [-1] * (300 - len(text))  # padded to the end
+        assert codec.read(views, row) == text
+    assert codec.read_batch(views, False) == tuple(codec.read(views, r) for r in range(3))
+    with pytest.raises(ValueError, match="has character '§', not in the space's charset"):
+        codec.write(views, 0, chars[0] + "§")
+    with pytest.raises(ValueError, match="longer than its space's max_length=300"):
+        codec.write(views, 0, chars[0] * 301)
+
+
+def test_bounded_text_costs_its_length_not_max_length():
+    space = spaces.Text(16384)
+    codec = make_codec(space)
+    views = [np.full((1, 16384), -1, np.int32)]
+    codec.write(views, 0, "a" * 600)
+    # Past the padding the row is never read (a code there indexes no character) nor
+    # written: a text costs its own length and the previous one's.
+    views[0][0, 5000:] = 10**6
+    assert codec.read(views, 0) == "a" * 600
+    codec.write(views, 0, "hello")
+    assert codec.read(views, 0) == "hello" and codec.read_batch(views, False) == ("hello",)
+    assert (views[0][0, 5:600] == -1).all() and (views[0][0, 5000:] == 10**6).all()
+
+
 # --------------------------------------------------------- sync equivalence
 
 

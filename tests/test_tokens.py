@@ -14,9 +14,11 @@ import pytest
 from shmvec.rollouts import Group, Status, Task, Trajectory
 from shmvec.rollouts.tokens import (
     ChatTokens,
+    StopRule,
     TurnTokens,
     batch_samples,
     next_prompt_ids,
+    stop_completion,
     trajectory_sample,
     turn_prompt,
 )
@@ -311,3 +313,43 @@ def test_a_turn_after_another_policys_turn_is_refused(tokenizer):
     chat = ChatTokens(tokenizer)
     with pytest.raises(ValueError, match="last extra is str, not TurnTokens"):
         turn_prompt(chat, ["right"], [{"role": "user", "content": "again"}])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stops_end_completions_where_vllm_does(tokenizer, seed):
+    """Over random completions and stop fields, ``stop_completion`` keeps the ids vLLM keeps
+    and gives the text it answers with (``vllm_stop``: vLLM's rule applied one id at a
+    time, as its detokenizer does)."""
+    from llm_servers import vllm_stop
+
+    rng = random.Random(seed)
+    chat = ChatTokens(tokenizer)
+    words = ["e", "ec", " t", "st", "\n", "a b", "ion"]
+    stopped = 0
+    for _ in range(150):
+        body = {
+            "stop": rng.sample(words, rng.randint(0, 3)),
+            "stop_token_ids": rng.sample(range(3, len(tokenizer)), rng.randint(0, 2)),
+            "include_stop_str_in_output": rng.random() < 0.3,
+            "min_tokens": rng.choice([0, 0, 2, 5]),
+            "ignore_eos": rng.random() < 0.2,
+        }
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 24))]
+        kept, text, finish = vllm_stop(tokenizer, body, ids)
+        got = stop_completion(chat, ids, StopRule.of(body, chat.stop_ids))
+        assert (got.kept, got.text, got.stopped) == (kept, text, finish == "stop"), (body, ids)
+        stopped += got.stopped
+    assert stopped > 15  # the draws do stop, by strings and by ids
+
+
+def test_a_stop_string_inside_the_last_id_cuts_the_text_not_the_ids(tokenizer):
+    chat = ChatTokens(tokenizer)
+    ids = tokenizer.encode("ab", add_special_tokens=False) + [303]  # 303: "rect"
+    rule = StopRule(strings=("ec",))
+    assert stop_completion(chat, ids, rule).kept == len(ids)
+    assert stop_completion(chat, ids, rule).text == "abr"
+    assert stop_completion(chat, ids, StopRule(strings=("ec",), include=True)).text == "abrec"
+    # a completion grown over two requests: the ids after the stop are not the completion's
+    later = ids + tokenizer.encode("xyz", add_special_tokens=False)
+    assert stop_completion(chat, later, rule) == stop_completion(chat, ids, rule)
+    assert stop_completion(chat, [*ids, chat.tokenizer.eos_token_id], StopRule()).text == "abrect"

@@ -10,10 +10,19 @@ import os
 import re
 import types
 
+import gymnasium
 import pytest
 
 import shmvec
-from shmvec.rollouts import AsyncPolicy, PolicyError, RowOutput, Status, Task, replay
+from shmvec.rollouts import (
+    AsyncPolicy,
+    PolicyError,
+    PolicyFailure,
+    RowOutput,
+    Status,
+    Task,
+    replay,
+)
 from shmvec.rollouts.tokens import ChatTokens, TurnTokens, turn_prompt
 from shmvec.text_envs import FrozenLakeText
 
@@ -492,3 +501,143 @@ def test_model_policy_samples_only_inside_a_call():
         ModelPolicy(context_length=0)
     with pytest.raises(TypeError, match="messages must be a function"):
         ModelPolicy("You play FrozenLake")
+    with pytest.raises(TypeError, match="action must be None or a function of the reply"):
+        ModelPolicy(action="left")
+
+
+# ------------------------------------------------------------- replies outside the space
+
+#: The letters of the lake's moves and the space between words: a reply of other
+#: characters is outside ``CharsetLake``'s action space.
+MOVE_CHARSET = "abcdefghijklmnopqrstuvwxyz "
+#: The id of the lone byte 0xC3 (byte-level BPE writes it as "Ã"): a reply of it decodes
+#: to the replacement character U+FFFD, as a cut multi-byte character does.
+HALF_CHARACTER = "Ã"
+
+
+class CharsetLake(FrozenLakeText):
+    """The lake of ``lake()`` whose actions are text of lowercase letters and spaces."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            desc=["SFF", "FFF", "FFG"], is_slippery=False, reward_schedule=(1.0, 0.0, 0.1),
+            max_episode_steps=3,
+        )  # fmt: skip
+        self.action_space = gymnasium.spaces.Text(16, min_length=0, charset=MOVE_CHARSET)
+
+
+class MovesLake(FrozenLakeText):
+    """The lake of ``lake()`` whose actions are FrozenLake's moves, ``Discrete(4)``."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            desc=["SFF", "FFF", "FFG"], is_slippery=False, reward_schedule=(1.0, 0.0, 0.1),
+            max_episode_steps=3,
+        )  # fmt: skip
+        self.action_space = gymnasium.spaces.Discrete(4)
+
+    def step(self, action):
+        return super().step(("left", "down", "right", "up")[int(action)])
+
+
+class ScriptedModel:
+    """Stands in for ``model.generate``: the k-th row it is asked for (in the order of the
+    calls and of their rows) gets ``first[k]``'s ids, every later row "right"; each reply
+    ends with the end of turn, and each id has the log-probability of a uniform choice."""
+
+    def __init__(self, tokenizer, first):
+        self.chat, self.vocab = ChatTokens(tokenizer), len(tokenizer)
+        self.stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.first, self.rows = list(first), 0
+
+    def reply(self, text):
+        if text == HALF_CHARACTER:
+            return [self.chat.tokenizer.convert_tokens_to_ids(HALF_CHARACTER), self.stop]
+        return self.chat.encode(text) + [self.stop]
+
+    def __call__(self, input_ids, attention_mask, generation_config):
+        replies = []
+        for _ in range(len(input_ids)):
+            text = self.first[self.rows] if self.rows < len(self.first) else "right"
+            replies.append(self.reply(text))
+            self.rows += 1
+        width = max(map(len, replies))
+        pad = generation_config.pad_token_id
+        new = torch.tensor([ids + [pad] * (width - len(ids)) for ids in replies])
+        logits = torch.zeros(len(replies), width, self.vocab)
+        return types.SimpleNamespace(
+            sequences=torch.cat([input_ids, new], dim=1), logits=tuple(logits.unbind(1))
+        )
+
+
+def run_scripted(tiny_llm_path, tokenizer, env_fn, policy, first):
+    """One call of a rollout function of ``policy`` over 4 ``env_fn`` envs, for 2 groups,
+    with the model's replies scripted (``ScriptedModel(first)``): its output, its groups
+    and the rollouts' stats."""
+    rollout_func = RolloutFunc.from_env_fns(
+        [env_fn] * 4, task_of, policy, env_concurrency=1, batch_size=2,
+        vector_kwargs={"num_workers": 2}, timeout=120,
+    )  # fmt: skip
+    try:
+        trainer = train(tiny_llm_path, tokenizer, rollout_func, env_reward)
+        trainer.model.generate = ScriptedModel(tokenizer, first)
+        out = rollout_func(["1"] * GROUP + ["2"] * GROUP, trainer)
+        stats = rollout_func.rollouts.stats()
+    finally:
+        rollout_func.close()
+        rollout_func.close()  # closing again is harmless
+    return out, rollout_func.last_groups, stats
+
+
+def test_a_reply_outside_the_charset_fails_its_trajectory_and_the_others_go_on(
+    tiny_llm_path, tokenizer
+):
+    """The model's first reply is half a character (U+FFFD), outside the Text space's
+    charset: that trajectory fails as invalid_action, with the text and the space in its
+    reason, and runs again; every other trajectory, the retry and the call go on."""
+    out, groups, stats = run_scripted(
+        tiny_llm_path, tokenizer, CharsetLake, ModelPolicy(lake_messages), [HALF_CHARACTER]
+    )
+    assert stats["dropped"] == {"invalid_action": 1} and stats["retries"] == 1
+    assert stats["groups_delivered"] == 2 and not stats["groups_dropped"]
+    (failed,) = [t for g in groups for t in g.failed]
+    assert failed.status is Status.INVALID_ACTION and failed.num_steps == 0
+    space = f"Text(0, 16, charset={''.join(sorted(MOVE_CHARSET))})"
+    assert failed.reason == (
+        f"action '\ufffd' is outside the env's action space {space}: characters outside "
+        "its charset: '\ufffd'"
+    ), failed.reason
+    kept = [t for g in groups for t in g.trajectories]
+    assert len(kept) == len(out["completion_ids"]) == 2 * GROUP
+    assert all(t.status is Status.TRUNCATED and t.actions == ["right"] * 3 for t in kept)
+    (retry,) = [t for t in kept if t.attempt]
+    assert retry.index == failed.index and retry.retried_after == [Status.INVALID_ACTION]
+    assert out["env_status"] == ["truncated"] * 2 * GROUP
+
+
+def test_model_policy_maps_replies_to_actions(tiny_llm_path, tokenizer):
+    """``action=`` turns each reply into a move of a Discrete(4) env: a reply that names no
+    move maps to None, outside the space (invalid_action), and one that gives up raises
+    PolicyFailure (policy_error); both run again, and the call goes on."""
+
+    def move(text):
+        if text == "give up":
+            raise PolicyFailure("the model gave up")
+        return FrozenLakeText.parse_action(text)
+
+    policy = ModelPolicy(lake_messages, action=move)
+    out, groups, stats = run_scripted(
+        tiny_llm_path, tokenizer, MovesLake, policy, ["I go nowhere", "give up"]
+    )
+    assert stats["dropped"] == {"invalid_action": 1, "policy_error": 1}
+    assert stats["retries"] == 2 and stats["groups_delivered"] == 2
+    failed = {t.status: t for g in groups for t in g.failed}
+    assert failed.keys() == {Status.INVALID_ACTION, Status.POLICY_ERROR}
+    assert failed[Status.INVALID_ACTION].reason.startswith(
+        "action None is outside the env's action space Discrete(4)"
+    ), failed[Status.INVALID_ACTION].reason
+    assert failed[Status.POLICY_ERROR].reason == "the model gave up"
+    kept = [t for g in groups for t in g.trajectories]
+    assert all(t.status is Status.TRUNCATED and t.actions == [2, 2, 2] for t in kept)
+    assert [t.total_reward for t in kept] == pytest.approx([0.3] * 2 * GROUP)  # 3 valid moves
+    assert len(out["completion_ids"]) == 2 * GROUP

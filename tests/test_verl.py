@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -232,3 +233,70 @@ def test_without_logprobs_and_with_max_turns():
         ended = output.extra_fields["env_ended"]
         assert ended in ("terminated", "max_turns"), ended
         assert (ended == "max_turns") == (len(calls) == 2 and output.reward_score == 0.0)
+
+
+def test_a_fast_trajectory_does_not_wait_for_a_slow_env_beside_it():
+    """One row's env steps 4 s a turn; rows that start beside it and step in 1 ms finish
+    at their own pace (before, each result waited in a slot for the slow step)."""
+    slow_s = 4.0
+    tokenizer = chatml_tokenizer()
+    server = FakeServer(tokenizer, 0)
+
+    async def one(k, wait_s, after_s):
+        await asyncio.sleep(after_s)
+        loop = make_loop(server, tokenizer, envs="awaitable_envs:guess_envs")
+        row = {"raw_prompt": SYSTEM, "extra_info": {"seed": k, "options": {"wait_s": wait_s}}}
+        started = time.perf_counter()
+        await loop.run({"temperature": 1.0}, **row)
+        return time.perf_counter() - started
+
+    async def main():
+        slow = asyncio.ensure_future(one(0, slow_s, 0.0))
+        # One row at a time beside the slow one: with the env's batch_size=2, each of its
+        # results and the slow env's would make a batch.
+        fast = [await one(k, 0.001, 0.2) for k in range(1, 5)]
+        return await slow, fast
+
+    try:
+        slow, fast = asyncio.run(main())
+    finally:
+        shmvec_verl.close_env_pools()
+    assert slow >= slow_s
+    assert sum(fast) < slow_s / 2, fast
+
+
+class DigitLoop(shmvec_verl.ShmvecAgentLoop):
+    """The agent loop whose action is the first digit of the model's text."""
+
+    def action_of(self, text):
+        return "".join(c for c in text if c.isdigit())[:1]
+
+
+def test_an_action_outside_the_space_ends_its_trajectory_as_invalid_action():
+    """The model's text is not one digit: the trajectory ends there as ``invalid_action``
+    (its ids kept, the reason naming the action and the space); with ``action_of`` taking
+    the digit out of the text, the same replies are moves."""
+    tokenizer = chatml_tokenizer()
+    rows = [{"raw_prompt": SYSTEM, "extra_info": {"seed": s}} for s in range(4)]
+
+    async def main(**kwargs):
+        loop = make_loop(server, tokenizer, envs="awaitable_envs:digit_guess_envs", **kwargs)
+        return await asyncio.gather(*(loop.run({"temperature": 1.0}, **row) for row in rows))
+
+    try:
+        server = FakeServer(tokenizer, 5)
+        outputs = asyncio.run(main())
+        for output in outputs:
+            traj = output.extra_fields["env_trajectory"]
+            assert output.extra_fields["env_ended"] == "invalid_action"
+            assert traj.status is shmvec.rollouts.Status.INVALID_ACTION and not traj.actions
+            assert "is outside the env's action space Text(1, 1" in traj.reason, traj.reason
+            assert sum(output.response_mask) == len(output.response_ids) > 0
+        shmvec_verl.close_env_pools()  # a pool serves one event loop
+        server = FakeServer(tokenizer, 5)
+        outputs = asyncio.run(main(_target_=f"{__name__}.DigitLoop"))
+        for output in outputs:
+            assert output.extra_fields["env_ended"] in ("terminated", "truncated")
+            assert output.extra_fields["env_trajectory"].actions
+    finally:
+        shmvec_verl.close_env_pools()

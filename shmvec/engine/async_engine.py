@@ -37,6 +37,8 @@ from shmvec.protocol import ENV_RESET, LIVENESS_CHECK_NS, LIVENESS_CHECK_S
 #: The batch's waker yields its core to main after turns main blocked in, on a CPU < this share.
 HANDOFF_MAX_CPU_SHARE = 0.5  # measurements: docs/design/heuristics.md, "Async core-yield"
 HANDOFF_SAMPLE = 8  # main measures one turn in this many (two getrusage calls)
+#: The running envs a ``recv`` timeout names (with a count of the rest).
+SHOWN_ENVS = 16
 
 
 class AsyncEngine:
@@ -270,10 +272,19 @@ class AsyncEngine:
             timeout,
             lambda: (
                 f"The call to `recv` has timed out after {timeout} second(s): "
-                f"{self.wire.published(slot)} of {rows} results arrived; envs "
-                f"still running or queued: {np.flatnonzero(~self.awaiting).tolist()}."
+                f"{self.wire.published(slot)} of {rows} results arrived; "
+                f"{self._running_envs()}."
             ),
         )
+
+    def _running_envs(self) -> str:
+        """The envs still running or queued, for a timeout's message: at most
+        ``SHOWN_ENVS`` of them, so that a caller that polls with short timeouts (the
+        awaitable envs' dispatcher) pays for no list of a thousand envs."""
+        running = np.flatnonzero(~self.awaiting)
+        shown = running[:SHOWN_ENVS].tolist()
+        more = f" and {running.size - SHOWN_ENVS} more" if running.size > SHOWN_ENVS else ""
+        return f"envs still running or queued: {shown}{more}"
 
     def _row_messages(self, slot: int, views, messages: dict) -> None:
         """Adds to ``messages`` those of the rows that have one, by row (after a

@@ -17,7 +17,7 @@ import numpy as np
 
 from shmvec import _worker_loop
 from shmvec import infos as info_columns
-from shmvec.batching import batch_infos
+from shmvec.batching import RowInfos, batch_infos
 from shmvec.codecs import Spills
 from shmvec.engine.leases import ObsLeases
 from shmvec.errors import add_note
@@ -57,6 +57,10 @@ class ResultDecoder:
         ]
         self.columns = [_worker_loop.SlotColumns(v) for v in slots]
         self.slot_rows = len(slots[0].rewards)  # rows of a ring slot: a whole batch
+        # The last batch's infos and what its rows came from (pickled dicts, column
+        # sources), made into RowInfos when asked for (row_infos()).
+        self._last_infos: tuple = ({}, None, None)
+        self._row_infos: RowInfos | None = None
 
     def learn_columns(self, index: int, message: dict) -> None:
         """Worker ``index``'s info columns announced in ``message``."""
@@ -71,22 +75,38 @@ class ResultDecoder:
         has_columns = any(self.schemas)
         if not pickled:
             if not has_columns:
-                return {}
-            return info_columns.merge_uniform(
-                self.schemas, groups, views.info_codes, views.info_cells, rows
+                return self._kept({})
+            sources: dict = {}
+            infos = info_columns.merge_uniform(
+                self.schemas, groups, views.info_codes, views.info_cells, rows, sources
             )
+            self._last_infos, self._row_infos = (infos, None, sources), None
+            return infos
         gathered = {}
         if has_columns:
             gathered = info_columns.gather(
                 self.schemas, groups, views.info_codes, views.info_cells, rows
             )
         items = sorted(pickled + info_columns.column_dicts(gathered), key=lambda item: item[0])
-        return batch_infos(items, rows)
+        infos = batch_infos(items, rows)
+        self._last_infos, self._row_infos = (infos, items, None), None
+        return infos
+
+    def _kept(self, infos: dict) -> dict:
+        """``infos``, of rows that reported nothing, kept as the last batch's."""
+        self._last_infos, self._row_infos = (infos, None, None), None
+        return infos
+
+    def row_infos(self) -> RowInfos:
+        """The last batch's infos row by row, as each env returned them."""
+        if self._row_infos is None:
+            self._row_infos = RowInfos(*self._last_infos)
+        return self._row_infos
 
     def batch_infos(self, slot: int, messages: dict[int, dict]) -> dict[str, Any]:
         """A sync round's infos, ``messages`` by worker."""
         if not messages and not any(self.schemas):
-            return {}
+            return self._kept({})
         for index, message in messages.items():
             self.learn_columns(index, message)
         views = self.slots[slot]

@@ -41,6 +41,7 @@ from shmvec.rollouts import (
     Group,
     PolicyBatch,
     PolicyError,
+    PolicyFailure,
     PolicyOutput,
     PolicyRow,
     Rollouts,
@@ -320,10 +321,17 @@ class ModelPolicy:
             later turn whose prompt fills it ends its trajectory as finished
             (``policy_ended``, as ``ServerPolicy(on_context_full="end")`` does); an opening
             prompt that does not fit is an error.
+        action: turns the completion's text into the env's action, as
+            :class:`~shmvec.rollouts.server.ServerPolicy`'s ``action`` does (default: the
+            text). It may raise :class:`~shmvec.rollouts.PolicyFailure` to fail the row's
+            trajectory (``policy_error``) or :class:`~shmvec.rollouts.EndTrajectory` to end it.
 
     It samples from the whole distribution at the trainer's ``temperature`` (no top-k or
     top-p), so that each log-probability is the one TRL recomputes for the same weights; the
-    action sent to the env is the completion decoded without special tokens. It runs only
+    action sent to the env is the completion decoded without special tokens (or ``action`` of
+    it). An action outside the env's action space (a character outside a ``Text`` space's
+    charset) fails its trajectory as ``invalid_action``, which ``max_retries`` retries; the
+    other rows go on. It runs only
     inside a call of :class:`RolloutFunc` (its ``with_trainer``), which lends it the
     model as TRL's own generation does (``trl.models.unwrap_model_for_generation``).
     """
@@ -334,9 +342,12 @@ class ModelPolicy:
         *,
         max_new_tokens: int | None = None,
         context_length: int | None = None,
+        action: Callable[[str], Any] | None = None,
     ) -> None:
         if not callable(messages):
             raise TypeError(f"messages must be a function of a row, got {messages!r}")
+        if action is not None and not callable(action):
+            raise TypeError(f"action must be None or a function of the reply text, got {action!r}")
         if max_new_tokens is not None and (
             not isinstance(max_new_tokens, int) or max_new_tokens < 1
         ):
@@ -346,7 +357,7 @@ class ModelPolicy:
         ):
             raise ValueError(f"context_length must be None or an int >= 1, got {context_length!r}")
         self.messages, self.max_new_tokens = messages, max_new_tokens
-        self.context_length = context_length
+        self.context_length, self.action = context_length, action
         self._lock = threading.Lock()  # held while a batch is sampled
         self._model_state: _TrainerModel | None = None
         self._chat: ChatTokens | None = None
@@ -399,11 +410,21 @@ class ModelPolicy:
                 )
             turns = self._sample(state, batch)
         actions = [
-            turn if isinstance(turn, EndTrajectory) else state.chat.reply_text(turn.completion_ids)
-            for turn in turns
+            turn if isinstance(turn, EndTrajectory) else self._action(state, turn) for turn in turns
         ]
         extras = [None if isinstance(turn, EndTrajectory) else turn for turn in turns]
         return PolicyOutput(actions=actions, extras=extras)
+
+    def _action(self, state: _TrainerModel, turn: TurnTokens) -> Any:
+        """The env action of ``turn``; a ``PolicyFailure`` or ``EndTrajectory`` that
+        ``action`` raised stands in the row's place."""
+        text = state.chat.reply_text(turn.completion_ids)
+        if self.action is None:
+            return text
+        try:
+            return self.action(text)
+        except (PolicyFailure, EndTrajectory) as outcome:
+            return outcome
 
     def _sample(self, state: _TrainerModel, batch: PolicyBatch) -> list[TurnTokens | EndTrajectory]:
         """Each row's turn, or the end of its trajectory where its prompt fills the context."""

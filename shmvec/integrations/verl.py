@@ -14,7 +14,10 @@ generation prompt; mask 0, log-probability 0.0). Nothing is rendered twice.
 
 The env is a text env (``shmvec.UnboundedText`` observations and actions, or any
 whose observations ``str()`` well); its rewards summed are the trajectory's
-``reward_score``. An env error, a step past ``step_deadline`` or a dead worker
+``reward_score``. An action outside the env's action space (``action_of``'s value for the
+model's text) ends the trajectory there, with the turn's ids kept: ``extra_fields["env_ended"]``
+is ``"invalid_action"`` and the recorded trajectory's ``reason`` names the action and the
+space. An env error, a step past ``step_deadline`` or a dead worker
 raises an ``EnvFailure`` from that ``run()`` only (``max_retries`` runs the
 trajectory again first); the env serves the next trajectory.
 
@@ -49,7 +52,8 @@ from verl.experimental.agent_loop.agent_loop import (
 
 from shmvec.awaitable import AwaitableEnv, AwaitableEnvs
 from shmvec.errors import EnvFailure
-from shmvec.rollouts.records import Task
+from shmvec.rollouts.policies import action_problem
+from shmvec.rollouts.records import Status, Task
 from shmvec.rollouts.tokens import ChatTokens
 
 __all__ = ["ShmvecAgentLoop", "close_env_pools", "env_pool"]
@@ -199,6 +203,12 @@ class ShmvecAgentLoop(AgentLoopBase):
             if len(response_ids) >= self.response_length:
                 break
             action = self.action_of(self.chat.reply_text(generated))
+            invalid = action_problem(env.action_space, action)
+            if invalid is not None:  # the model's mistake: this trajectory's outcome
+                ended = Status.INVALID_ACTION.value
+                if env.trajectory is not None:
+                    env.trajectory.status, env.trajectory.reason = Status.INVALID_ACTION, invalid
+                break
             started = time.perf_counter()
             obs, step_reward, terminated, truncated, _ = await env.step(action)
             timings["tool_calls"] += time.perf_counter() - started

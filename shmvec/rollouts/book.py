@@ -77,6 +77,7 @@ class Book:
         for env, tag in enumerate(env_tags):
             self.free.setdefault(tag, deque()).append(env)
         self.on_env: list[Trajectory | None] = [None] * len(env_tags)
+        self.retired: set[int] = set()  # envs that take no more work (their node was lost)
         self.busy: set[int] = set()  # envs with a command the vector env has not returned
         self.resolved: list[Resolved] = []
         self.labels_launched: dict[Any, int] = {}
@@ -264,7 +265,17 @@ class Book:
 
     def _release(self, env: int) -> None:
         self.on_env[env] = None
-        self.free[self.env_tags[env]].append(env)
+        if env not in self.retired:
+            self.free[self.env_tags[env]].append(env)
+
+    def retire(self, envs: Any) -> None:
+        """``envs`` take no more work (a vector env's ``lost_env_ids``): no attempt is
+        launched on them again."""
+        if len(envs) <= len(self.retired):
+            return
+        self.retired.update(envs)
+        for tag, free in self.free.items():
+            self.free[tag] = deque(env for env in free if env not in self.retired)
 
     def _apply(self, group: GroupState, decision: Decision, now: float) -> None:
         self.queue.extendleft(reversed(decision.launch))  # retries before new groups

@@ -5,9 +5,10 @@ tells the book what came back, through the vector env's public async API
 
 An env whose trajectory ends starts its next one at once; there is no turn
 barrier. Each received batch's rows that await an action go to the policy's
-runner at once; its answers are sent on the loop's next pass. For a per-row
-policy a row waits at most ``POLL_S`` for its batch to fill: the loop then
-takes the rows that are in (``recv(take_ready=True)``).
+runner at once; its answers are sent on the loop's next pass. No result waits
+for another env: a row waits at most ``POLL_S`` (a per-row policy) or
+``BATCH_WAIT_S`` (a batched one) for its batch to fill, and the loop then takes
+the rows that are in (``recv(take_ready=True)``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 from gymnasium.vector.vector_env import AutoresetMode
 
-from shmvec.batching import unbatch_info
+from shmvec.batching import infos_by_row
 from shmvec.rollouts.book import Book
-from shmvec.rollouts.policies import PolicyRunner, split_row_output
+from shmvec.rollouts.policies import PolicyRunner, action_problem, split_row_output
 from shmvec.rollouts.records import PolicyRow, Status, Trajectory
 from shmvec.rollouts.rows import rows_of, take_rows
 
@@ -34,6 +35,7 @@ FAILURE_INFOS = {
     "env_error": Status.ENV_ERROR,
     "worker_restarted": Status.WORKER_DIED,
     "actor_restarted": Status.WORKER_DIED,
+    "node_lost": Status.NODE_LOST,  # ClusterVectorEnv: its envs leave the pool (lost_env_ids)
     "step_deadline": Status.DEADLINE,
 }
 #: How long one ``recv`` blocks before the loop looks at its stop flag again.
@@ -42,6 +44,10 @@ RECV_SLICE_S = 0.25
 #: at most this long to be sent (small beside a policy call); and how long a row
 #: for a per-row policy waits for its batch to fill.
 POLL_S = 0.002
+#: How long a row for a batched policy waits for its batch to fill: envs that step
+#: at the same pace fill it sooner, and a row of a fast env never waits for a slow
+#: env's step longer than this.
+BATCH_WAIT_S = 0.005
 
 
 class Loop:
@@ -105,6 +111,7 @@ class Loop:
                 self.held_s += now - self.tick_s
             self.tick_s = now
             resolved = book.resolutions
+            book.retire(getattr(self.envs, "lost_env_ids", ()))
             starts = book.launch(now)
             answers = self._take_answers(now)
             if book.resolutions != resolved:
@@ -143,11 +150,10 @@ class Loop:
         """Receives a batch (fewer rows when fewer envs run), records it and hands
         the rows that await an action to the policy's runner."""
         running = len(self.book.busy)
-        per_row = self.runner.per_row
-        timeout = POLL_S if self.runner.outstanding or per_row else RECV_SLICE_S
+        timeout = POLL_S if self.runner.outstanding or self.runner.per_row else BATCH_WAIT_S
         try:
             result = self.envs.recv(
-                timeout=timeout, partial=running < self.batch_size, take_ready=per_row
+                timeout=timeout, partial=running < self.batch_size, take_ready=True
             )
         except (multiprocessing.TimeoutError, TimeoutError):
             return
@@ -204,14 +210,10 @@ class Loop:
     def _chosen_infos(self, infos: dict, row: int) -> dict[str, Any]:
         if not self.info_keys:
             return {}
-        keys = [k for k in self.info_keys if k in infos]
-        if not keys:
+        if not any(k in infos for k in self.info_keys):
             return {}
-        return unbatch_info(
-            {k: infos[k] for k in keys}
-            | {f"_{k}": infos[f"_{k}"] for k in keys if f"_{k}" in infos},
-            row,
-        )
+        # The row's values as its env returned them (Python scalars stay Python scalars).
+        return infos_by_row(self.envs, infos).info(row, only=self.info_keys)
 
     def _ask(self, rows: list[tuple[int, int]], obs: Any) -> None:
         """Hands the policy's runner the rows ``(row, env)`` of the received
@@ -229,7 +231,8 @@ class Loop:
         taken = self.runner.take()
         # Failures and ends first: one may settle its group and cancel the group's other
         # attempts, whose answers are then not sent (their envs are freed at once, not left
-        # to a result).
+        # to a result). An action outside the action space fails its own trajectory only:
+        # the vector env would refuse the whole batch it came in.
         for answer in taken:
             traj = answer.key[0]
             if traj.status is not Status.RUNNING:
@@ -238,6 +241,11 @@ class Loop:
                 self.book.failed(traj, Status.POLICY_ERROR, answer.failure, now)
             elif answer.end is not None:
                 self.book.policy_ended(traj, answer.end, now)
+            elif answer.error is None:
+                action = split_row_output(answer.output)[0]
+                invalid = action_problem(self.action_space, action)
+                if invalid is not None:
+                    self.book.failed(traj, Status.INVALID_ACTION, invalid, now)
         for answer in taken:
             traj, version = answer.key
             if answer.error is not None:

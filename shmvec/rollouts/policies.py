@@ -11,6 +11,8 @@ thread of its own, and sends each answer as it comes; no row waits for another.
 
 Both runners take rows with ``submit``, hand back :class:`RowAnswer` s with
 ``take`` (the loop sends them), and count the time the policy was running.
+:func:`action_problem` says which answers the env may not receive: the loop
+fails their trajectories as ``invalid_action`` instead of sending them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
+from gymnasium import spaces
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from shmvec.rollouts.records import (
     EndTrajectory,
@@ -147,7 +152,8 @@ class AsyncPolicyRunner(PolicyRunner):
     """Runs an :class:`AsyncPolicy` on an event loop in its own thread.
 
     ``submit`` may be called from the rollout loop's thread; each call's row is
-    stamped with the policy version at its start, as the event loop has it:
+    stamped with the policy version at its start, as the event loop has it (or
+    with the version its ``RowOutput`` names):
     ``set_version`` hands a new version to the loop (and to the policy's
     ``set_version``) ahead of every call submitted after it, so that a call and
     the row it answers agree on their version. ``on_answer`` is called (from
@@ -216,6 +222,15 @@ class AsyncPolicyRunner(PolicyRunner):
                     answer.error = PolicyError(
                         f"the policy answered None for the row of env {row.env_id}"
                     )
+                version = getattr(answer.output, "version", None)
+                if isinstance(answer.output, RowOutput) and version is not None:
+                    if not isinstance(version, int) or isinstance(version, bool):
+                        answer.error = PolicyError(
+                            f"the policy answered version {version!r} for the row of env "
+                            f"{row.env_id}: RowOutput.version is an int or None"
+                        )
+                    else:
+                        answer.key = (row.trajectory, version)
             answer.ended_s = time.monotonic()
             self.clock.stop()
         self.calls += 1
@@ -223,7 +238,10 @@ class AsyncPolicyRunner(PolicyRunner):
         self.on_answer()
 
     def close(self) -> None:
-        """Cancels the calls still in flight and stops the event loop."""
+        """Cancels the calls still in flight and stops the event loop; closing again does
+        nothing."""
+        if self.loop.is_closed():
+            return
 
         def stop() -> None:
             for task in asyncio.all_tasks(self.loop):
@@ -249,7 +267,8 @@ class BatchedPolicyRunner(PolicyRunner):
     """Calls a batched policy in a thread of its own, on every row submitted
     since its last call began; ``take`` returns the answers of finished calls.
     A row whose action is an :class:`EndTrajectory` (in a list of actions) ends
-    its trajectory as finished.
+    its trajectory as finished; one whose action is a :class:`PolicyFailure`
+    fails it as ``policy_error``.
 
     Each call's rows are stamped with the policy version at the call's start
     (``version()``); ``on_answer`` is called after each call, to wake the loop.
@@ -297,6 +316,8 @@ class BatchedPolicyRunner(PolicyRunner):
                 answer = RowAnswer((row.trajectory, version), output, error, started, ended)
                 if output is not None and isinstance(output.action, EndTrajectory):
                     answer.output, answer.end = None, _reason(output.action)
+                elif output is not None and isinstance(output.action, PolicyFailure):
+                    answer.output, answer.failure = None, _reason(output.action)
                 self.answers.append(answer)
             self.on_answer()
 
@@ -364,6 +385,80 @@ def split_batch_output(output: Any, rows: int, env_ids: list[int]) -> tuple[Any,
             f"the policy returned {len(extras)} extras for {rows} rows (envs {env_ids})"
         )
     return actions, list(extras)
+
+
+def action_problem(space: gym.Space, action: Any) -> str | None:
+    """None if the env of action space ``space`` may receive ``action``; else why not, naming
+    the action and the space (the reason of its trajectory's ``invalid_action``).
+
+    The value checked is the one the env receives: the loop writes each action into the
+    space's dtype before sending it (a float64 Box action as float32, an int tensor as int64).
+    """
+    try:
+        if _holds(space, action) or _holds(space, _as_received(space, action)):
+            return None
+        detail = _problem(space, action)
+    except Exception as error:  # noqa: BLE001 - what cannot be written as the space's value
+        detail = f"{type(error).__name__}: {error}"
+    return f"action {action!r:.200} is outside the env's action space {space!r:.200}" + (
+        f": {detail}" if detail else ""
+    )
+
+
+#: Spaces of one array of a fixed dtype, whose actions the loop writes with numpy's cast.
+ARRAY_SPACES = (spaces.Box, spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+
+
+def _as_received(space: gym.Space, action: Any) -> Any:
+    """``action`` as the loop writes it into the space's dtype: with the same-kind cast of
+    ``np.stack(..., out=...)`` (TypeError where it refuses), a direct cast for an array space
+    and each part of a Dict or Tuple (``concatenate`` of one row costs 10-30x more), and
+    gymnasium's own for any other space."""
+    if isinstance(space, ARRAY_SPACES):
+        value = np.asarray(action)
+        if value.dtype == space.dtype:
+            return value
+        return value.astype(space.dtype, casting="same_kind")
+    if isinstance(space, spaces.Dict):
+        return {key: _as_received(part, action[key]) for key, part in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        if len(action) != len(space.spaces):
+            raise ValueError(f"{len(action)} parts for the {len(space.spaces)} of the space")
+        return tuple(_as_received(part, value) for part, value in zip(space.spaces, action))
+    out: Any = create_empty_array(space, 1)
+    return next(iter(iterate(batch_space(space, 1), concatenate(space, [action], out))))
+
+
+def _holds(space: gym.Space, value: Any) -> bool:
+    if type(space) is spaces.Text:  # Text.contains looks each character up through a property
+        return (
+            isinstance(value, str)
+            and space.min_length <= len(value) <= space.max_length
+            and space.character_set.issuperset(value)
+        )
+    if isinstance(space, spaces.Box):
+        # Its shape only, as the vector env checks it: a value past the bounds is the env's
+        # to clip (as gymnasium's vector envs hand it over), not the policy's failure.
+        return isinstance(value, np.ndarray) and value.shape == space.shape
+    return bool(space.contains(value))
+
+
+def _problem(space: gym.Space, value: Any) -> str:
+    """What keeps ``value`` out of ``space``, where it is more than its not being in it: a
+    text's length and characters, an array's shape ("" otherwise)."""
+    if isinstance(space, ARRAY_SPACES) and np.shape(value) != space.shape:
+        return f"shape {np.shape(value)}, not {space.shape}"
+    if not isinstance(space, spaces.Text) or not isinstance(value, str):
+        return ""
+    problems = []
+    if len(value) < space.min_length:
+        problems.append(f"{len(value)} characters, under min_length={space.min_length}")
+    if len(value) > space.max_length:
+        problems.append(f"{len(value)} characters, over max_length={space.max_length}")
+    outside = sorted(set(value) - set(space.character_set))
+    if outside:
+        problems.append(f"characters outside its charset: {''.join(outside)!r}")
+    return "; ".join(problems)
 
 
 def split_row_output(output: Any) -> tuple[Any, Any]:

@@ -49,9 +49,11 @@ class Status(str, enum.Enum):
     POLICY_ENDED = "policy_ended"  # the policy ended it (EndTrajectory), its context full
     ENV_ERROR = "env_error"  # the env raised; it was reset (on_env_error="reset")
     WORKER_DIED = "worker_died"  # its worker died and was restarted
+    NODE_LOST = "node_lost"  # its node (ClusterVectorEnv's agent) was lost; it ran elsewhere
     DEADLINE = "deadline"  # one step ran past the vector env's step_deadline
     STALE = "stale"  # its oldest action fell more than max_lag versions behind
     POLICY_ERROR = "policy_error"  # the policy could not answer it (PolicyFailure)
+    INVALID_ACTION = "invalid_action"  # the policy's action is outside the env's action space
     REDUNDANT = "redundant"  # its group already had group_size finished trajectories
     GROUP_DROPPED = "group_dropped"  # its group was dropped for another trajectory's failure
 
@@ -62,10 +64,19 @@ class Status(str, enum.Enum):
 
 FINISHED = frozenset({Status.TERMINATED, Status.TRUNCATED, Status.MAX_STEPS, Status.POLICY_ENDED})
 
-#: Failures a retry may cure: the env's state was lost, not the task's fault
-#: alone. A cancelled attempt (REDUNDANT, GROUP_DROPPED) is never retried.
+#: Failures a retry may cure: the env's state was lost, or a policy that samples
+#: may answer otherwise next time; not the task's fault alone. A cancelled attempt
+#: (REDUNDANT, GROUP_DROPPED) is never retried.
 RETRYABLE = frozenset(
-    {Status.ENV_ERROR, Status.WORKER_DIED, Status.DEADLINE, Status.STALE, Status.POLICY_ERROR}
+    {
+        Status.ENV_ERROR,
+        Status.WORKER_DIED,
+        Status.NODE_LOST,
+        Status.DEADLINE,
+        Status.STALE,
+        Status.POLICY_ERROR,
+        Status.INVALID_ACTION,
+    }
 )
 
 
@@ -215,10 +226,13 @@ class PolicyRow:
 
 @dataclass
 class RowOutput:
-    """A per-row policy's answer with an extra kept beside the action."""
+    """A per-row policy's answer with an extra kept beside the action, and the policy
+    version that chose it where the policy knows it better than the call's start (a server
+    policy whose tokens came from later weights); None: the version at the call's start."""
 
     action: Any
     extra: Any = None
+    version: int | None = None
 
 
 class PolicyError(RuntimeError):
@@ -228,9 +242,11 @@ class PolicyError(RuntimeError):
 
 class PolicyFailure(Exception):
     """Raised by a per-row policy that cannot answer a row (an inference server down past
-    its retries): the row's trajectory fails as ``policy_error`` with this message as its
-    reason, and the group policy counts, retries or drops it; the rollouts go on. Any other
-    exception from a policy is a :class:`PolicyError`, which stops them."""
+    its retries), or put by a batched policy in that row's place in its list of actions: the
+    row's trajectory fails as ``policy_error`` with this message as its reason, and the group
+    policy counts, retries or drops it; the rollouts go on. Any other exception from a policy
+    is a :class:`PolicyError`, which stops them. An action outside the env's action space
+    fails its trajectory the same way, as ``invalid_action``."""
 
 
 class EndTrajectory(Exception):

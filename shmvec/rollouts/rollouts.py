@@ -174,6 +174,7 @@ class Rollouts:
         return rollouts
 
     _owns_envs = False
+    _closed = False
 
     @property
     def version(self) -> int:
@@ -329,11 +330,18 @@ class Rollouts:
             }
 
     def close(self) -> None:
-        """Stops the loop (the vector env stays open unless ``from_env_fns`` made it)."""
-        self._loop.stop()
-        self._runner.close()
-        if self._owns_envs and not self.envs.closed:
-            self.envs.close(terminate=True)
+        """Stops the loop and the policy's runner (the vector env stays open unless
+        ``from_env_fns`` made it). Closing again, or after the loop stopped on an error, is
+        safe; ``submit`` and ``get_batch`` then raise."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.stop()
+            self._runner.close()
+        finally:
+            if self._owns_envs and not self.envs.closed:
+                self.envs.close(terminate=True)
 
     def __enter__(self) -> Rollouts:
         return self
@@ -342,6 +350,8 @@ class Rollouts:
         self.close()
 
     def _raise_error(self) -> None:
+        if self._closed:
+            raise RuntimeError("these rollouts are closed")
         error = self._loop.error
         if error is not None:
             if isinstance(error, PolicyError):

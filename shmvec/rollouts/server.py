@@ -9,12 +9,24 @@ ids and log-probabilities are kept as they came (``return_token_ids``, ``logprob
 policy version of every id, in a :class:`~shmvec.rollouts.tokens.TurnTokens` beside the text
 action.
 
-A server that fails (refuses connections while it starts, times out, answers 429 or 5xx, an
-empty reply or null log-probabilities) is asked again with backoff; past ``Retry.attempts``
+A request that fails (times out, a reset or cut reply, a reply that is not JSON, 429 or 5xx,
+an empty reply or null log-probabilities) is asked again with backoff; past ``Retry.attempts``
 the row's trajectory fails as ``policy_error`` and the group policy counts, retries or drops
-it. With ``interrupt=True`` each request streams, and a new version cancels the requests
+it. A server that cannot be reached (it refuses or drops every connection: starting,
+restarting) is the infrastructure's failure: the requests wait for it without spending a
+retry, up to ``outage_timeout`` (:mod:`shmvec.rollouts.server_outages`).
+
+With ``interrupt=True`` each request streams, and a new version cancels the requests
 still in flight: the tokens received so far are kept (stamped with the version that made
 them) and the completion goes on under the new version from the prompt plus those tokens.
+
+Versions: a request is stamped with the policy's version when it is sent (once it has its
+in-flight slot), and each id with its request's version; the action's version is the oldest
+of its turn's ids' (``RowOutput.version``), what the lag bound counts.
+
+Stop strings: the ids are the completion (the id that completed a stop string whole, as
+vLLM returns it); the action's text is what vLLM's text is, those ids decoded and cut before
+the stop string or stop token (:func:`~shmvec.rollouts.tokens.stop_completion`).
 """
 
 from __future__ import annotations
@@ -34,7 +46,8 @@ import numpy as np
 from shmvec.rollouts.policies import AsyncPolicy
 from shmvec.rollouts.records import EndTrajectory, PolicyFailure, PolicyRow, RowOutput
 from shmvec.rollouts.server_client import (
-    OVERLOAD,
+    CONSTRAINED_FIELDS,
+    UNREACHABLE,
     ClientShards,
     InFlightLimit,
     Piece,
@@ -46,7 +59,15 @@ from shmvec.rollouts.server_client import (
     parse_choice,
     post_completions,
 )
-from shmvec.rollouts.tokens import ChatTokens, TurnTokens, context_full, turn_prompt
+from shmvec.rollouts.server_outages import CancelledAttempts, Outages, ServerUnreachable, answers
+from shmvec.rollouts.tokens import (
+    ChatTokens,
+    StopRule,
+    TurnTokens,
+    context_full,
+    stop_completion,
+    turn_prompt,
+)
 
 #: Replies whose text is compared with the ids decoded by the policy's tokenizer, to find a
 #: tokenizer that is not the server's (ids decode to other text).
@@ -63,6 +84,8 @@ class _Completion:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    answered: int = 0  # the version of the last request that finished
+    text: str = ""  # the action's text (``stop_completion``)
 
     def add(self, piece: Piece, version: int) -> None:
         self.ids += piece.ids
@@ -88,7 +111,9 @@ class ServerPolicy(AsyncPolicy):
             then its ceiling.
         target_latency_s: with ``adaptive``, a request slower than this counts as overload.
         interrupt: stream each request, and on a new version cancel those in flight and go on
-            under the new version, keeping their tokens.
+            under the new version, keeping their tokens. Refuses guided decoding fields in
+            ``sampling.extra`` (``CONSTRAINED_FIELDS``): a continued request would start the
+            constraint again.
         count_drift: also render each later turn's chat as text and tokenize it, and count the
             turns whose ids would have differed (``stats()["drift_turns"]``).
         action: turns the completion's text into the env's action (default: the text).
@@ -100,10 +125,14 @@ class ServerPolicy(AsyncPolicy):
             drops it); ``"end"``: it ends as finished, ``policy_ended``, with the turns it
             had (``EndTrajectory``; a trainer may keep or mask it). A first turn that does
             not fit fails either way.
+        outage_timeout: seconds a server that cannot be reached is waited for (its requests
+            paused, probed every second at most, no retry spent) before ``act`` raises
+            ``ServerUnreachable`` naming it; None: forever.
 
     Raises (from ``act``, to the trainer): ``ServerSetupError`` for a server that is not
     OpenAI-compatible, a model it does not serve, a tokenizer that is not its own or a request
-    it refuses; ``ValueError`` for a ``messages`` that returns no messages.
+    it refuses; ``ServerUnreachable`` past ``outage_timeout``; ``ValueError`` for a
+    ``messages`` that returns no messages.
     """
 
     def __init__(
@@ -124,6 +153,7 @@ class ServerPolicy(AsyncPolicy):
         api_key: str = "EMPTY",
         context_length: int | None = None,
         on_context_full: str = "fail",
+        outage_timeout: float | None = 300.0,
     ) -> None:
         super().__init__(self.act, concurrency=1 << 30)  # requests are capped by max_in_flight
         if not callable(messages) or inspect.iscoroutinefunction(messages):
@@ -136,6 +166,13 @@ class ServerPolicy(AsyncPolicy):
             max_in_flight, adaptive=adaptive, target_latency_s=target_latency_s
         )
         self.interrupt, self.count_drift = interrupt, count_drift
+        constrained = sorted(set(self.sampling.extra) & CONSTRAINED_FIELDS)
+        if interrupt and constrained:
+            raise ValueError(
+                f"Sampling.extra {constrained} with interrupt=True: a request continued after "
+                "an interruption would start the constraint again; use interrupt=False"
+            )
+        self._stops = StopRule.of(self.sampling.extra, self.chat.stop_ids)
         if on_context_full not in ("fail", "end"):
             raise ValueError(f"on_context_full must be 'fail' or 'end', got {on_context_full!r}")
         self.api_key, self.context_length = api_key, context_length
@@ -154,12 +191,15 @@ class ServerPolicy(AsyncPolicy):
         self._failed: Counter[str] = Counter()
         self._ended: Counter[str] = Counter()
         self._latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
+        self.outages = Outages(self._probe, self.base_url, outage_timeout, self.retry.backoff_s)
+        self._attempts = CancelledAttempts()
 
     # -------------------------------------------------------------- the hooks
 
     def set_version(self, version: int) -> None:
-        """Requests started from now on are stamped ``version``; with ``interrupt``, those in
-        flight under an older version are cancelled and go on under it. Call it on the
+        """Requests sent from now on (those waiting for an in-flight slot included) are
+        stamped ``version``; with ``interrupt``, those in flight under an older version are
+        cancelled and go on under it. Call it on the
         policy's event loop (``Rollouts.set_version`` does)."""
         self.version = version
         if self.interrupt:
@@ -190,6 +230,9 @@ class ServerPolicy(AsyncPolicy):
                 "faults": dict(self._faults),
                 "failed": dict(self._failed),
                 "ended": dict(self._ended),
+                "abandoned": self._attempts.abandoned,
+                "outages": self.outages.count,
+                "outage_s": self.outages.seconds(),
                 "in_flight": self.limit.in_flight,
                 "in_flight_limit": self.limit.limit,
                 "in_flight_peak": self.limit.peak,
@@ -209,7 +252,12 @@ class ServerPolicy(AsyncPolicy):
 
     async def act(self, row: PolicyRow) -> RowOutput:
         """Samples the row's action; returns its text (or ``action(text)``) with its
-        ``TurnTokens``."""
+        ``TurnTokens`` and its version (the oldest of its ids').
+
+        The text is the completion's ids decoded and, where a stop token or stop string
+        ended it, cut where vLLM cuts its text (before the stop string, or after it with
+        ``include_stop_str_in_output``); the ids keep every token generated, the one that
+        completed a stop string whole."""
         traj = row.trajectory
         turns = list(traj.extras)
         messages = self.messages(row)
@@ -224,8 +272,9 @@ class ServerPolicy(AsyncPolicy):
             drift = self.chat.rerender(turns, messages) != prompt
             self._count("compared_turns")
             self._count("drift_turns", int(drift))
-        await self._ensure_checked()
-        completion = await self._complete(prompt, can_end=bool(turns))
+        with self._attempts.watch(traj):  # ends the call if the rollouts cancel the attempt
+            await self._ensure_checked()
+            completion = await self._complete(prompt, can_end=bool(turns))
         turn = TurnTokens(
             prompt_ids=prompt,
             completion_ids=completion.ids,
@@ -236,9 +285,10 @@ class ServerPolicy(AsyncPolicy):
             finish_reason=completion.finish_reason or "",
             drift=drift,
         )
-        text = self.chat.reply_text(completion.ids)
+        text = completion.text
         self._count("turns")
-        return RowOutput(self.action(text) if self.action is not None else text, turn)
+        version = min(completion.versions, default=completion.answered)
+        return RowOutput(self.action(text) if self.action is not None else text, turn, version)
 
     async def _complete(self, prompt: list[int], can_end: bool) -> _Completion:
         """The prompt's completion, over as many requests as failures and interruptions take.
@@ -259,10 +309,13 @@ class ServerPolicy(AsyncPolicy):
             left = budget - len(out.ids)
             if out.finish_reason is not None or left < 1:
                 break
-            version, received = self.version, len(out.ids)
+            self._attempts.check()
+            await self.outages.wait()
+            received = len(out.ids)
             started = time.monotonic()
             try:
                 async with self.limit.slot():
+                    version = self.version  # stamped when sent: after waiting for its slot
                     self._count("requests")
                     if self.interrupt:
                         finished = await self._streamed(prompt, out, left, version)
@@ -274,12 +327,15 @@ class ServerPolicy(AsyncPolicy):
                         raise ServerFault("empty_reply", "a completion without a token", True)
             except Exception as error:  # noqa: BLE001 - classified: a fault or a setup error
                 fault = classify(error)
-                failures += 1
                 with self._lock:
                     self._faults[fault.kind] += 1
-                if fault.kind in OVERLOAD:
+                if fault.kind in UNREACHABLE and await self.outages.suspect():
+                    continue  # the server's outage, not the request's: sent again after it
+                failures += 1
+                if fault.overload:
                     self.limit.overloaded()
                 if not fault.retry or failures >= self.retry.attempts:
+                    self._attempts.check()  # a cancelled attempt's last failure is not counted
                     message = f"{fault} (after {failures} failed request(s) of this turn)"
                     if fault.kind == "context_length":
                         raise self._context_full(message, can_end) from error
@@ -291,12 +347,21 @@ class ServerPolicy(AsyncPolicy):
             self.limit.answered(latency)
             with self._lock:
                 self._latencies.append(latency)
-            if not finished:
+            if finished:
+                out.answered = version
+            else:
                 self._count("interrupted")
                 self._count("tokens_interrupted", len(out.ids) - received)
+                if stop_completion(self.chat, out.ids, self._stops).stopped:
+                    out.finish_reason = "stop"  # interrupted after its stop, before its end
+        # Over several requests, a stop string across two of them is found here.
+        stop = stop_completion(self.chat, out.ids, self._stops)
+        if stop.kept < len(out.ids):
+            del out.ids[stop.kept :], out.logprobs[stop.kept :], out.versions[stop.kept :]
+        out.text = stop.text
         self._count("tokens", len(out.ids))
-        if out.finish_reason is None:  # interrupted after its last token, before the end
-            out.finish_reason = "stop" if out.ids[-1] in self.chat.stop_ids else "length"
+        if out.finish_reason is None or stop.stopped:
+            out.finish_reason = "stop" if stop.stopped else "length"
         return out
 
     def _fail(self, kind: str) -> None:
@@ -312,7 +377,11 @@ class ServerPolicy(AsyncPolicy):
         self._fail("context_length")
         return PolicyFailure(message)
 
-    def _body(self, prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+    def _body(
+        self, prompt: list[int], max_tokens: int, stream: bool, generated: int = 0
+    ) -> dict[str, Any]:
+        """The request body; ``generated``: the completion's ids already in ``prompt`` (a
+        continued request's ``min_tokens`` counts them)."""
         s = self.sampling
         body: dict[str, Any] = {
             "model": self.model,
@@ -327,6 +396,8 @@ class ServerPolicy(AsyncPolicy):
         }
         if s.seed is not None:
             body["seed"] = s.seed
+        if generated and "min_tokens" in body:
+            body["min_tokens"] = max(int(body["min_tokens"]) - generated, 0)
         return body
 
     async def _request(self, prompt: list[int], max_tokens: int) -> Piece:
@@ -357,7 +428,8 @@ class ServerPolicy(AsyncPolicy):
 
     async def _stream(self, prompt: list[int], out: _Completion, max_tokens: int, version: int):
         with self._http().client() as client:
-            stream = await post_completions(client, self._body(prompt, max_tokens, True))
+            body = self._body(prompt, max_tokens, True, len(out.ids))
+            stream = await post_completions(client, body)
             async with stream:
                 try:
                     async for chunk in stream:
@@ -371,12 +443,16 @@ class ServerPolicy(AsyncPolicy):
                             return
                 except Exception as error:  # noqa: BLE001 - a broken stream is a fault of its own
                     fault = classify(error)
-                    if fault.kind == "connect":
+                    if fault.kind in ("connect", "reset"):
                         raise ServerFault("dropped", f"the stream broke: {fault}", True) from error
                     raise fault from error
         raise ServerFault("dropped", "the stream ended before the completion finished", retry=True)
 
     # -------------------------------------------------------------- the server
+
+    async def _probe(self) -> bool:
+        with self._http().client() as client:
+            return await answers(client, self.retry.connect_timeout_s)
 
     def _http(self) -> ClientShards:
         if self._clients is None:
@@ -394,6 +470,7 @@ class ServerPolicy(AsyncPolicy):
             self._check_lock = asyncio.Lock()
         failures = 0
         while not self._checked:
+            await self.outages.wait()
             try:
                 async with self._check_lock:
                     if not self._checked:
@@ -401,9 +478,11 @@ class ServerPolicy(AsyncPolicy):
                         self._checked = True
             except Exception as error:  # noqa: BLE001 - classified
                 fault = classify(error)
-                failures += 1
                 with self._lock:
                     self._faults[fault.kind] += 1
+                if fault.kind in UNREACHABLE and await self.outages.suspect():
+                    continue  # not up yet: waited for
+                failures += 1
                 if not fault.retry or failures >= self.retry.attempts:
                     self._fail(fault.kind)
                     raise PolicyFailure(f"{fault} (while checking the server)") from error
@@ -467,12 +546,26 @@ class ServerPolicy(AsyncPolicy):
         if piece.text is None or self._text_checks >= TOKENIZER_CHECKS:
             return
         self._text_checks += 1
-        ours = self.chat.reply_text(piece.ids).replace("\ufffd", "")
-        if ours != piece.text.replace("\ufffd", ""):
+        ours = stop_completion(self.chat, piece.ids, self._stops).text.replace("\ufffd", "")
+        theirs = piece.text.replace("\ufffd", "")
+        if ours != theirs and not (
+            # another server may cut its text elsewhere at a stop: a prefix of the ids' text
+            piece.finish_reason == "stop"
+            and self.chat.reply_text(piece.ids, self._stops.skip_special_tokens)
+            .replace("\ufffd", "")
+            .startswith(theirs)
+        ):
             raise ServerSetupError(
                 f"the server's text {piece.text!r:.80} is not its ids decoded by the "
                 f"tokenizer ({ours!r:.80}): the tokenizer does not match the server's model"
             )
 
 
-__all__ = ["Retry", "Sampling", "ServerFault", "ServerPolicy", "ServerSetupError"]
+__all__ = [
+    "Retry",
+    "Sampling",
+    "ServerFault",
+    "ServerPolicy",
+    "ServerSetupError",
+    "ServerUnreachable",
+]

@@ -9,7 +9,9 @@ Everything here runs on one event loop (the policy's); nothing blocks it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
+import json
 import random
 import time
 from collections import deque
@@ -37,7 +39,15 @@ class Sampling:
         max_tokens: the most tokens a turn's completion may have (less where the model's
             context has less room left).
         temperature, top_p, seed: as the completions API takes them.
-        extra: other fields of the request body (``top_k``, ``min_p``, ``stop_token_ids``...).
+        extra: other fields of the request body (``top_k``, ``min_p``, ``stop``,
+            ``stop_token_ids``...), sent as they are. Those that would break token in, token
+            out are refused here, naming the field: ``n`` or ``best_of`` above 1,
+            ``use_beam_search``, ``echo``, ``suffix``, ``truncate_prompt_tokens``,
+            ``prompt_embeds``, ``stream_options``, ``spaces_between_special_tokens=False``,
+            and the fields the policy sets itself. Stop fields (``stop``, ``stop_token_ids``,
+            ``ignore_eos``, ``min_tokens``, ``include_stop_str_in_output``,
+            ``skip_special_tokens``) shape the action's text as vLLM shapes its text
+            (:class:`~shmvec.rollouts.tokens.StopRule`).
     """
 
     max_tokens: int = 64
@@ -49,6 +59,84 @@ class Sampling:
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        check_extra(self.extra)
+
+
+def _strings(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(value)
+    return isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value)
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
+    )
+
+
+#: Request fields the policy sets itself, and why.
+_POLICY_FIELDS = {
+    "model": "ServerPolicy's model",
+    "prompt": "token ids built turn by turn",
+    "max_tokens": "Sampling.max_tokens",
+    "temperature": "Sampling.temperature",
+    "top_p": "Sampling.top_p",
+    "seed": "Sampling.seed",
+    "logprobs": "one log-probability per id",
+    "stream": "interrupt=True streams",
+    "return_token_ids": "the ids are what the trajectory keeps",
+    "stream_options": "usage chunks carry no token",
+    "prompt_embeds": "the prompt is token ids",
+}
+#: Fields of ``Sampling.extra`` with the values that keep token in, token out working.
+_FIELD_RULES: dict[str, tuple[Any, str]] = {
+    "n": (lambda v: v in (None, 1), "one completion per request (a group samples the rest)"),
+    "best_of": (lambda v: v in (None, 1), "the reply must be the completion sampled"),
+    "use_beam_search": (lambda v: not v, "beam scores are not sampling log-probabilities"),
+    "echo": (lambda v: not v, "the reply's ids must be the completion's alone"),
+    "suffix": (lambda v: v is None, "a completion follows its token-id prompt, nothing after"),
+    "truncate_prompt_tokens": (
+        lambda v: v is None,
+        "the server would cut the prompt, and the ids kept would not be what the model saw",
+    ),
+    "spaces_between_special_tokens": (
+        lambda v: v is True,
+        "the action's text is the ids decoded by the tokenizer, with its own spacing",
+    ),
+    "stop": (lambda v: v is None or _strings(v), "a non-empty string or a list of them"),
+    "stop_token_ids": (lambda v: v is None or _ints(v), "a list of token ids"),
+    "min_tokens": (
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        "an int >= 0",
+    ),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a bool"),
+    "include_stop_str_in_output": (lambda v: isinstance(v, bool), "a bool"),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "a bool"),
+}
+#: Fields that constrain a whole completion (guided decoding): a request continued after an
+#: interruption would start the constraint again, so ``interrupt=True`` refuses them.
+CONSTRAINED_FIELDS = frozenset(
+    {
+        "response_format", "structured_outputs", "guided_json", "guided_regex",
+        "guided_choice", "guided_grammar", "regex", "json_schema", "ebnf",
+    }
+)  # fmt: skip
+
+
+def check_extra(extra: Mapping[str, Any]) -> None:
+    """Raises ValueError, naming the field, for a field of ``Sampling.extra`` that would break
+    token in, token out (see ``Sampling``)."""
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"Sampling.extra must be a mapping of request fields, got {extra!r}")
+    for name, value in extra.items():
+        if name in _POLICY_FIELDS:
+            raise ValueError(
+                f"Sampling.extra[{name!r}]: the policy sets {name!r} itself "
+                f"({_POLICY_FIELDS[name]})"
+            )
+        rule = _FIELD_RULES.get(name)
+        if rule is not None and not rule[0](value):
+            raise ValueError(f"Sampling.extra[{name!r}]={value!r} is refused: {rule[1]}")
 
 
 @dataclass(frozen=True)
@@ -57,7 +145,9 @@ class Retry:
 
     Attributes:
         attempts: requests per turn that may fail before the trajectory fails as
-            ``policy_error`` (its tokens so far are kept between attempts).
+            ``policy_error`` (its tokens so far are kept between attempts); a request that
+            failed because the server could not be reached at all does not count (the
+            policy's ``outage_timeout``).
         backoff_s, max_backoff_s: the wait before attempt ``k + 1`` is drawn from
             ``[0, min(max_backoff_s, backoff_s * 2**k)]`` ("full jitter"), or is the server's
             ``Retry-After`` when it sends one (capped the same way).
@@ -87,13 +177,27 @@ class Retry:
 
 
 class ServerFault(Exception):
-    """A request that failed; ``kind`` names how (``connect``, ``timeout``, ``rate_limited``,
-    ``server_error``, ``context_length``, ``empty_reply``, ``no_logprobs``, ``dropped``,
-    ``aborted``), ``retry`` whether trying again may help."""
+    """A request that failed; ``kind`` names what happened, ``retry`` whether trying again may
+    help, ``overload`` whether the server said it has too much to do (429, 503, a timeout).
 
-    def __init__(self, kind: str, detail: str, retry: bool, retry_after: float | None = None):
+    Kinds: at the connection, ``connect`` (refused, or not made in time), ``reset`` (closed or
+    reset before the reply), ``dropped`` (a reply or stream cut short), ``timeout`` (no byte for
+    ``Retry.timeout_s``); in the reply, ``bad_reply`` (not JSON, not UTF-8),
+    ``empty_reply`` (no choice, no token), ``no_logprobs``, ``aborted`` (the server aborted the
+    request), ``rate_limited`` (429), ``server_error`` (5xx, 408, 409, an error event in a
+    stream), ``context_length`` (a 400 for a prompt that does not fit)."""
+
+    def __init__(
+        self,
+        kind: str,
+        detail: str,
+        retry: bool,
+        retry_after: float | None = None,
+        overload: bool = False,
+    ):
         super().__init__(f"{kind}: {detail}")
         self.kind, self.retry, self.retry_after = kind, retry, retry_after
+        self.overload = overload
 
 
 class ServerSetupError(RuntimeError):
@@ -150,26 +254,34 @@ def parse_choice(reply: Any) -> Piece:
 
 
 def classify(error: BaseException) -> ServerFault:
-    """A failed request's exception as a :class:`ServerFault`.
+    """A failed request's exception as a :class:`ServerFault`, by what happened: an HTTP
+    status by its code, a transport failure by the exceptions that caused it (``openai``'s
+    aiohttp transport raises a refused or reset connection as a timeout, so its name says
+    little).
 
     Raises:
         ServerSetupError: the server refused the request for a reason no retry cures.
+        the error itself: an exception that is no server's failure (a bug to see).
     """
     import openai
 
     if isinstance(error, ServerFault):
         return error
-    if isinstance(error, openai.APITimeoutError) and not _os_error(error):
-        return ServerFault("timeout", str(error), retry=True)
-    if isinstance(error, openai.APIConnectionError):
-        return ServerFault("connect", f"{error} ({error.__cause__!r})", retry=True)
     if isinstance(error, openai.APIStatusError):
         status, message = error.status_code, str(error)
         retry_after = _retry_after(error)
         if status == 429:
-            return ServerFault("rate_limited", message, retry=True, retry_after=retry_after)
+            return ServerFault(
+                "rate_limited", message, retry=True, retry_after=retry_after, overload=True
+            )
         if status >= 500 or status in (408, 409):
-            return ServerFault("server_error", message, retry=True, retry_after=retry_after)
+            return ServerFault(
+                "server_error",
+                message,
+                retry=True,
+                retry_after=retry_after,
+                overload=status == 503,
+            )
         if status == 400 and any(w in message.lower() for w in _CONTEXT_WORDS):
             return ServerFault("context_length", message, retry=False)
         if status == 404:
@@ -178,24 +290,59 @@ def classify(error: BaseException) -> ServerFault:
                 "an OpenAI-compatible server with /v1/completions"
             ) from error
         raise ServerSetupError(f"the server refused the request: {message}") from error
-    if isinstance(error, _transport_errors()):
-        return ServerFault("dropped", f"the connection broke: {error!r}", retry=True)
-    if isinstance(error, (ValueError, TypeError)) and "json" in str(error).lower():
-        return ServerFault("empty_reply", f"an unreadable reply: {error}", retry=True)
+    chain = _causes(error)
+    for types, kind, what in _transport_rules():
+        if any(isinstance(e, types) for e in chain):
+            return ServerFault(
+                kind, f"{what} ({chain[-1]!r:.200})", retry=True, overload=kind == "timeout"
+            )
+    if isinstance(error, openai.APIError):  # an error event in a stream
+        return ServerFault("server_error", str(error), retry=True)
     raise error
 
 
-def _os_error(error: BaseException) -> bool:
-    """Whether an OS error other than a timeout (a refused connection, a reset) caused
-    ``error``: the aiohttp transport raises a refused connection as a connect timeout."""
-    seen = set()
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error`` and the exceptions that caused it, outermost first (as a traceback shows
+    them)."""
+    chain: list[BaseException] = []
     cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        if isinstance(cause, OSError) and not isinstance(cause, TimeoutError):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
+    while cause is not None and all(cause is not seen for seen in chain):
+        chain.append(cause)
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return chain
+
+
+@functools.cache
+def _transport_rules() -> tuple[tuple[tuple[type[BaseException], ...], str, str], ...]:
+    """``(exception types, kind, what happened)``, first match wins: a failure is what its
+    most specific cause says (a connect timeout is a failure to connect, a refusal raised
+    as a timeout is a refusal)."""
+    import openai
+
+    http = importlib.import_module(type(openai.DEFAULT_CONNECTION_LIMITS).__module__.split(".")[0])
+    try:
+        aiohttp: Any = importlib.import_module("aiohttp")
+    except ImportError:  # the client then runs over httpx's own transport
+        aiohttp = None
+
+    def aio(*names: str) -> tuple[type[BaseException], ...]:
+        return tuple(getattr(aiohttp, n) for n in names if hasattr(aiohttp, n))
+
+    return (
+        ((json.JSONDecodeError, UnicodeDecodeError, http.DecodingError), "bad_reply",
+         "a reply that is not JSON"),
+        ((*aio("ConnectionTimeoutError", "ClientConnectorError"), ConnectionRefusedError,
+          http.ConnectError), "connect", "no connection to the server"),
+        ((*aio("ServerDisconnectedError"), ConnectionResetError, ConnectionAbortedError,
+          BrokenPipeError, http.WriteError), "reset",
+         "the connection was closed before the reply"),
+        ((*aio("ClientPayloadError"), http.ReadError, http.RemoteProtocolError,
+          http.StreamError), "dropped", "the reply was cut short"),
+        ((TimeoutError, asyncio.TimeoutError, *aio("ServerTimeoutError"), http.TimeoutException,
+          openai.APITimeoutError), "timeout", "no answer in time"),
+        ((openai.APIConnectionError, http.TransportError, OSError), "connect",
+         "no connection to the server"),
+    )  # fmt: skip
 
 
 def _retry_after(error: Any) -> float | None:
@@ -204,15 +351,6 @@ def _retry_after(error: Any) -> float | None:
         return float(value) if value is not None else None
     except (AttributeError, ValueError):
         return None
-
-
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    """The transport errors of the HTTP library under ``openai`` (a broken stream is raised
-    as one, not as an ``openai`` error)."""
-    import openai
-
-    http = importlib.import_module(type(openai.DEFAULT_CONNECTION_LIMITS).__module__.split(".")[0])
-    return (http.TransportError, http.StreamError)
 
 
 #: Seconds an idle connection is kept for reuse. Below the servers' own keep-alive (uvicorn's,
@@ -395,5 +533,6 @@ class InFlightLimit:
             self.limit, self._cut_s = max(self.minimum, self.limit // 2), now
 
 
-#: Fault kinds that tell the in-flight limit the server is overloaded.
-OVERLOAD = frozenset({"rate_limited", "server_error", "timeout"})
+#: Fault kinds that may mean the server cannot be reached at all; a probe tells
+#: (:class:`~shmvec.rollouts.server_outages.Outages`).
+UNREACHABLE = frozenset({"connect", "reset", "dropped"})

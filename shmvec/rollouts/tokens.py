@@ -18,12 +18,14 @@ each turn records:
 :func:`trajectory_sample` and :func:`batch_samples` turn trajectories and groups into what a
 trainer consumes: the first prompt, the concatenated completion ids of every later turn
 (model and env tokens), a mask with 1 for model tokens and 0 for env tokens, per-token
-log-probabilities and versions, rewards and group ids.
+log-probabilities and versions, rewards and group ids. :func:`stop_completion` says where a
+request's stop fields end a completion and the text vLLM gives for it (:class:`StopRule`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,10 +195,12 @@ class ChatTokens:
             )
         return grown[len(self._base) :]
 
-    def reply_text(self, completion_ids: Sequence[int]) -> str:
+    def reply_text(self, completion_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """A completion as the text an assistant message would hold (special tokens
-        removed)."""
-        return str(self.tokenizer.decode(list(completion_ids), skip_special_tokens=True))
+        removed, unless ``skip_special_tokens`` is False)."""
+        return str(
+            self.tokenizer.decode(list(completion_ids), skip_special_tokens=skip_special_tokens)
+        )
 
     def rerender(self, turns: Sequence[TurnTokens], messages: list[dict[str, Any]]) -> list[int]:
         """The prompt a text-only client would send after ``turns`` when ``messages`` come:
@@ -231,6 +235,99 @@ def _core_encoder(tokenizer: Any, probes: Sequence[str]) -> Callable[[str], list
         if encode(text) != list(tokenizer.encode(text, add_special_tokens=False)):
             return None
     return encode
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Where a server ends a completion, and the text it gives for it, as vLLM decides both
+    from a request's ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``,
+    ``include_stop_str_in_output`` and ``skip_special_tokens``.
+
+    A stop token (one of ``token_ids``: the tokenizer's end of sequence unless
+    ``ignore_eos``, and ``stop_token_ids``) ends the completion with it, its text left out;
+    a stop string ends it at the token that completes the string, the text cut before the
+    string. Neither counts within the first ``min_tokens`` ids. With ``include`` the text
+    keeps the stop token's or string's text.
+    """
+
+    strings: tuple[str, ...] = ()
+    token_ids: frozenset[int] = frozenset()
+    include: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    @classmethod
+    def of(cls, extra: Mapping[str, Any], eos_ids: Iterable[int]) -> StopRule:
+        """The rule of a request body's fields ``extra`` (``Sampling.extra``, checked)."""
+        stop = extra.get("stop") or ()
+        ids = set(extra.get("stop_token_ids") or ())
+        if not extra.get("ignore_eos", False):
+            ids |= set(eos_ids)
+        return cls(
+            strings=(stop,) if isinstance(stop, str) else tuple(stop),
+            token_ids=frozenset(ids),
+            include=bool(extra.get("include_stop_str_in_output", False)),
+            min_tokens=int(extra.get("min_tokens") or 0),
+            skip_special_tokens=bool(extra.get("skip_special_tokens", True)),
+        )
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """A completion under a :class:`StopRule`: its first ``kept`` ids are the completion,
+    ``text`` is their text as the server gives it, ``stopped`` whether a stop token or string
+    ended it."""
+
+    kept: int
+    text: str
+    stopped: bool
+
+
+def stop_completion(chat: ChatTokens, ids: Sequence[int], rule: StopRule) -> Stopped:
+    """Where ``rule`` ends the completion ``ids`` and what its text is.
+
+    For one request's reply this is where the server stopped (a no-op on its ids) and the
+    text it sent; for a completion grown over several requests (interrupted, or a stream
+    that broke) it also finds a stop the server could not see, a stop string across two
+    requests."""
+    decode = functools.partial(chat.reply_text, skip_special_tokens=rule.skip_special_tokens)
+    kept, by_token = len(ids), False
+    for k in range(rule.min_tokens, len(ids)):  # vLLM's sampler masks stop ids before
+        if ids[k] in rule.token_ids:
+            kept, by_token = k + 1, True
+            break
+    text_ids = list(ids[: kept - 1] if by_token and not rule.include else ids[:kept])
+    text = decode(text_ids)
+    if rule.strings:
+        floor = len(decode(list(ids[: rule.min_tokens]))) if rule.min_tokens else 0
+        match = _first_stop_string(text, rule.strings, floor)
+        if match is not None:
+            stop, start = match
+            ends = functools.partial(_holds, decode, text_ids, stop, max(floor - len(stop) + 1, 0))
+            n = len(text_ids)
+            if n > 1 and ends(n - 1):  # the string ends before the last id: find the id
+                lo, hi = 1, n - 1  # the first prefix that holds it
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    lo, hi = (lo, mid) if ends(mid) else (mid + 1, hi)
+                n = lo
+            return Stopped(n, text[: start + len(stop) if rule.include else start], True)
+    return Stopped(kept, text, by_token)
+
+
+def _first_stop_string(text: str, strings: Sequence[str], floor: int) -> tuple[str, int] | None:
+    """The stop string that ends first in ``text`` after ``floor`` characters (ties: the
+    first listed), and where it starts; None if none does."""
+    best: tuple[str, int] | None = None
+    for stop in strings:
+        at = text.find(stop, max(floor - len(stop) + 1, 0))
+        if at >= 0 and (best is None or at + len(stop) < best[1] + len(best[0])):
+            best = (stop, at)
+    return best
+
+
+def _holds(decode: Callable[[list[int]], str], ids: list[int], stop: str, lo: int, k: int) -> bool:
+    return decode(ids[:k]).find(stop, lo) >= 0
 
 
 def context_full(prompt_ids: Sequence[int], context: int | None) -> str | None:
@@ -394,12 +491,15 @@ def batch_samples(groups: Iterable[Any]) -> TokenBatch:
 
 __all__ = [
     "ChatTokens",
+    "StopRule",
+    "Stopped",
     "TokenBatch",
     "TokenSample",
     "TurnTokens",
     "batch_samples",
     "context_full",
     "next_prompt_ids",
+    "stop_completion",
     "trajectory_sample",
     "turn_prompt",
 ]

@@ -99,6 +99,38 @@ def gem_game(module: str, cls: str, **kwargs: Any) -> gym.Env:
     return GemEnv(functools.partial(game, **kwargs), isolate_numpy=False)
 
 
+class TextArenaGuess(gym.Env):
+    """textarena's GuessTheNumber-v0 (1-20, 10 turns; ``pip install textarena``) with
+    bounded gymnasium ``Text`` spaces (printable ASCII): observations of up to 16,384
+    characters, the game's whole transcript (516 characters at reset), actions up to 64.
+    The game draws from Python's global ``random``: each env keeps its own state."""
+
+    def __init__(self) -> None:
+        import string
+
+        import textarena
+
+        from shmvec.text_envs import PrivateGlobalRandom
+
+        self.observation_space = gym.spaces.Text(16384, min_length=0, charset=string.printable)
+        self.action_space = gym.spaces.Text(64, min_length=0, charset=string.printable)
+        self.random_state = PrivateGlobalRandom(numpy=False)
+        with self.random_state.swapped():
+            self.game = textarena.make("GuessTheNumber-v0")
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        with self.random_state.swapped():
+            self.game.reset(num_players=1, seed=seed)
+        return self.game.get_observation()[1], {}
+
+    def step(self, action):
+        with self.random_state.swapped():
+            done, _ = self.game.step(action)
+            reward = float(self.game.close()[0][0]) if done else 0.0
+        return self.game.get_observation()[1], reward, bool(done), False, {}
+
+
 #: Steps after which an episode is truncated.
 MAX_TURNS = 16
 
@@ -132,6 +164,7 @@ GAMES: dict[str, tuple[Callable[[], gym.Env], tuple[str, ...]]] = {
         ),
         tuple(f"\\boxed{{{a}}}" for a in ("left", "down", "right", "up")),
     ),
+    "ta-guess": (TextArenaGuess, tuple(f"[{n}]" for n in range(1, 21))),
 }  # fmt: skip
 
 
@@ -151,6 +184,8 @@ class Workload:
     #: Median of the lognormal wait per step, seconds (0: none) (W3).
     wait_median_s: float = 0.0
     wait_sigma: float = 1.0
+    #: A uniform wait per step between these, seconds, instead (None: none).
+    wait_range_s: tuple[float, float] | None = None
     #: Share of steps that raise ``ToolError`` / that hang for ``HANG_S`` (W4).
     error_p: float = 0.0
     hang_p: float = 0.0
@@ -165,7 +200,7 @@ class Workload:
     @property
     def waits(self) -> bool:
         """Whether a step mostly waits (run such envs concurrently in threads)."""
-        return self.wait_median_s > 0
+        return self.wait_median_s > 0 or self.wait_range_s is not None
 
     @property
     def actions(self) -> tuple[str, ...]:
@@ -195,6 +230,11 @@ WORKLOADS: dict[str, Workload] = {
             "faults", "guess",
             "W4: tool + 1% of steps raise, 0.2% hang, an env process killed every 10 s",
             wait_median_s=20e-3, error_p=0.01, hang_p=0.002, kill_every_s=10.0,
+        ),
+        Workload(
+            "ta-tool", "ta-guess",
+            "textarena GuessTheNumber with Text spaces + a 10-30 ms tool wait a step",
+            wait_range_s=(10e-3, 30e-3),
         ),
     )
 }  # fmt: skip
@@ -254,6 +294,8 @@ class WorkloadEnv(gym.Wrapper):
                 * float(np.exp(spec.wait_sigma * rng.standard_normal()))
             )
             time.sleep(wait)
+        if spec.wait_range_s is not None:
+            time.sleep(float(rng.uniform(*spec.wait_range_s)))
         if spec.error_p or spec.hang_p:
             draw = rng.random()
             if draw < spec.error_p:

@@ -1,5 +1,6 @@
-"""The Ray actors behind RayVectorEnv: each runs a node-local ShmVectorEnv over a
-block of envs; ``ActorGroup`` places, starts, calls and restarts them.
+"""The Ray actors behind RayVectorEnv: each ``EnvActor`` runs a node-local ShmVectorEnv
+over a block of envs and steps it as one batch; ``ActorGroup`` places, starts, calls and
+restarts them.
 
 Methods may be called from one thread at a time (the driver's).
 """

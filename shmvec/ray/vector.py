@@ -1,4 +1,5 @@
-"""RayVectorEnv: shmvec beyond one machine, one node-local ShmVectorEnv per Ray actor.
+"""RayVectorEnv: a gymnasium VectorEnv over Ray actors, one node-local ShmVectorEnv per
+actor, stepped in whole actor blocks.
 
 Each actor owns a contiguous block of envs and steps it as one batch, which
 travels as numpy arrays through Ray's object store; the driver concatenates the
@@ -6,17 +7,6 @@ blocks in env order (``step``) or hands back the first actor batches that are
 ready (``recv``). Gymnasium's semantics are the actors' ShmVectorEnvs' and
 ``VectorEnv._add_info``'s here, so the results equal ``SyncVectorEnv``'s
 (docs/guides/ray.md).
-
-Example:
-    >>> import gymnasium as gym
-    >>> import ray
-    >>> from shmvec.ray import RayVectorEnv
-    >>> _ = ray.init(num_cpus=2, include_dashboard=False)  # doctest: +SKIP
-    >>> envs = RayVectorEnv("CartPole-v1", num_actors=2, envs_per_actor=4)  # doctest: +SKIP
-    >>> obs, infos = envs.reset(seed=0)  # doctest: +SKIP
-    >>> obs.shape  # doctest: +SKIP
-    (8, 4)
-    >>> envs.close()  # doctest: +SKIP
 
 Results are fresh, writable arrays (one copy, as ``copy=True`` in gymnasium).
 Methods of ``RayVectorEnv`` may be called from one thread at a time (the driver's).
@@ -32,17 +22,11 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import ray
 from gymnasium.vector.async_vector_env import AsyncState
 from gymnasium.vector.utils import batch_space
 from gymnasium.vector.vector_env import ArrayType, AutoresetMode
-
-try:
-    import ray
-    from ray.exceptions import RayActorError
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "shmvec.ray needs Ray: pip install 'shmvec[ray]' (or pip install 'ray>=2.9')"
-    ) from exc
+from ray.exceptions import RayActorError
 
 from shmvec.batching import (
     Options,
@@ -56,8 +40,8 @@ from shmvec.batching import (
     take_reset_mask,
     take_rows,
 )
-from shmvec.ray_actors import ACTOR_RESTARTED, ActorDiedError, ActorGroup, EnvActor
-from shmvec.ray_blocks import (
+from shmvec.ray.actors import ACTOR_RESTARTED, ActorDiedError, ActorGroup, EnvActor
+from shmvec.ray.blocks import (
     actor_batches,
     actor_env_fns,
     concatenate_batches,
@@ -281,8 +265,7 @@ class RayVectorEnv(VectorEnvBase):
     # ------------------------------------------------------------------ async
 
     def _async_reset(self, seed: Seeds, options: Options, env_ids: Any) -> None:
-        """In async mode ``env_ids`` (default: all) must name whole actor blocks whose
-        actors are idle: the actor is the unit that steps and resets."""
+        """``env_ids`` (default: all) must name whole blocks of idle actors."""
         seeds, per_actor = self._expand_seeds(seed), self._split_options(options)
         ids = np.arange(self.num_envs) if env_ids is None else check_env_ids(env_ids, self.num_envs)
         for k in idle_actors(ids, self.actor_env_ids, self._busy(), "async_reset"):

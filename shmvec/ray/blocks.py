@@ -1,5 +1,5 @@
-"""RayVectorEnv's actor blocks: which actors env ids name, and actor batches
-joined back into one batch.
+"""Batches of the Ray vector envs on the driver: which actor blocks env ids name, and
+actor (or agent) batches joined into one batch, or cut into rows, with gymnasium's infos.
 
 Env ``i`` belongs to one actor's contiguous block (``split_blocks``). The driver
 sends each actor its block's actions and joins the actors' batches in env order
@@ -17,9 +17,20 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from shmvec.batching import ARRAY_SPACES, batch_infos, rows_with_info, unbatch_info
+from shmvec.batching import ARRAY_SPACES, batch_infos, rows_with_info, take_rows, unbatch_info
 
-__all__ = ["actor_batches", "actor_env_fns", "concatenate_batches", "idle_actors", "merge_infos"]
+__all__ = [
+    "actor_batches",
+    "actor_env_fns",
+    "concatenate_batches",
+    "idle_actors",
+    "join_step_batches",
+    "merge_infos",
+    "select_step_rows",
+]
+
+#: A step batch as ``recv`` returns it: ``(obs, rewards, terminations, truncations, infos)``.
+StepBatch = tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]
 
 
 def actor_batches(batch_size: int, blocks: list[range]) -> int:
@@ -120,3 +131,31 @@ def merge_infos(
         offset += len(blocks[k])
         items += [(first + row, [unbatch_info(block, row)]) for row in rows_with_info(block)]
     return batch_infos(items, rows)
+
+
+def join_step_batches(space: gym.Space, batches: list[StepBatch]) -> StepBatch:
+    """Step batches, one after another, as one (infos merged with ``_add_info``)."""
+    if len(batches) == 1:
+        return batches[0]
+    items, offset = [], 0
+    for batch in batches:
+        infos = batch[4]
+        items += [(offset + row, [unbatch_info(infos, row)]) for row in rows_with_info(infos)]
+        offset += len(batch[1])
+    obs = concatenate_batches(space, [b[0] for b in batches])
+    outcomes = (np.concatenate([b[i] for b in batches]) for i in (1, 2, 3))
+    return (obs, *outcomes, batch_infos(items, offset))
+
+
+def select_step_rows(space: gym.Space, batch: StepBatch, rows: np.ndarray) -> StepBatch:
+    """Rows ``rows`` of a step batch, in that order (infos cut with their masks)."""
+    obs, rewards, terminations, truncations, infos = batch
+    with_info = set(rows_with_info(infos))
+    items = [(i, [unbatch_info(infos, int(r))]) for i, r in enumerate(rows) if r in with_info]
+    return (
+        take_rows(space, obs, rows),
+        rewards[rows],
+        terminations[rows],
+        truncations[rows],
+        batch_infos(items, len(rows)),
+    )

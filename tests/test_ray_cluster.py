@@ -1,0 +1,228 @@
+"""ClusterVectorEnv (shmvec.ray): one async vector env over node agents on a Ray cluster.
+
+Ray's ``cluster_utils.Cluster`` simulates three nodes of one CPU each on this machine
+(the head has none, so each node agent gets a node of its own). The tests check that
+each env's trajectory equals one machine's, that ``Rollouts`` and ``AwaitableEnvs`` run
+over it, and that a removed node's envs end as ``node_lost`` results that the rollouts
+retry on the other nodes. Node removal comes last: it shrinks the module's cluster.
+Skipped without Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import numpy as np
+import pytest
+from rollout_envs import TaskEnv, obs_policy
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+from shmvec import EnvWorkerDiedError, ShmVectorEnv  # noqa: E402
+from shmvec.awaitable import AwaitableEnvs  # noqa: E402
+from shmvec.ray import ClusterVectorEnv  # noqa: E402
+from shmvec.rollouts import Rollouts, Status, replay  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+
+OBJECT_STORE_BYTES = 80 * 1024**2
+#: Ray notices a node whose raylet is gone within period x threshold (default 3 s x 5).
+FAST_HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    head = {"num_cpus": 0, "object_store_memory": OBJECT_STORE_BYTES,
+            "_system_config": FAST_HEALTH_CHECK}  # fmt: skip
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
+    nodes = [cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES) for _ in range(3)]
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    cluster.wait_for_nodes()
+    cluster.env_nodes = nodes
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def node_ids(cluster) -> list[str]:
+    return [node.node_id for node in cluster.env_nodes]
+
+
+def make_cluster_env(cluster, env_fn=TaskEnv, per_agent=2, agents=3, **kwargs):
+    return ClusterVectorEnv(
+        [env_fn] * (per_agent * agents),
+        num_agents=agents,
+        node_ids=node_ids(cluster)[:agents],
+        batch_size=kwargs.pop("batch_size", 2),
+        **kwargs,
+    )
+
+
+def drive(envs, steps: int) -> dict[int, list]:
+    """Each env's results for ``steps`` actions chosen from its env id and step count."""
+    seen: dict[int, list] = {env: [] for env in range(envs.num_envs)}
+    envs.async_reset(seed=7)
+    running = envs.num_envs
+    while running:
+        obs, rewards, terminations, truncations, infos = envs.recv(timeout=60, partial=True)
+        ids, actions = [], []
+        for i, env in enumerate(infos["env_id"].tolist()):
+            seen[env].append((obs[i].tobytes(), rewards[i], terminations[i], truncations[i]))
+            if len(seen[env]) <= steps:
+                ids.append(env)
+                actions.append((env + len(seen[env])) % 3)
+            else:
+                running -= 1
+        if ids:
+            envs.send(np.array(actions, np.int64), np.array(ids))
+    return seen
+
+
+def test_each_env_steps_as_on_one_machine(cluster):
+    cluster_envs = make_cluster_env(cluster)
+    local = ShmVectorEnv([TaskEnv] * 6, num_workers=2, batch_size=2)
+    try:
+        assert cluster_envs.agent_node_ids == node_ids(cluster)
+        assert drive(cluster_envs, 30) == drive(local, 30)
+    finally:
+        cluster_envs.close()
+        local.close()
+
+
+def test_rollouts_give_complete_groups_that_replay(cluster):
+    envs = make_cluster_env(cluster)
+    try:
+        with Rollouts(envs, obs_policy, group_size=2) as rollouts:
+            rollouts.submit(seeds=list(range(6)))
+            groups = [g for _ in range(3) for g in rollouts.get_batch(2)]
+        assert sorted(g.task.seed for g in groups) == list(range(6))
+        for traj in (t for g in groups for t in g.trajectories):
+            assert traj.status.finished
+            replay(traj, TaskEnv)
+    finally:
+        envs.close()
+
+
+def test_awaitable_envs_over_the_cluster(cluster):
+    envs = make_cluster_env(cluster, agents=2)
+
+    async def episode(pool, seed):
+        async with pool.env() as env:
+            obs, _ = await env.reset(seed=seed)
+            for _ in range(3):
+                obs, *_ = await env.step(1)
+            return env.trajectory
+
+    async def main():
+        async with AwaitableEnvs(envs) as pool:
+            return await asyncio.gather(*(episode(pool, s) for s in range(6)))
+
+    try:
+        for traj in asyncio.run(main()):
+            replay(traj, TaskEnv)
+    finally:
+        envs.close()
+
+
+def test_an_env_factory_that_fails_names_its_agent_and_node(cluster):
+    def broken():
+        raise OSError("no simulator on this node")
+
+    with pytest.raises(RuntimeError, match=r"node agent 1 \(envs 2..3\).*on node .*simulator"):
+        ClusterVectorEnv([TaskEnv] * 2 + [broken] * 2, num_agents=2,
+                         node_ids=node_ids(cluster)[:2], batch_size=2)  # fmt: skip
+
+
+def test_a_killed_agent_ends_its_running_envs_and_refuses_more_work(cluster):
+    envs = make_cluster_env(cluster, agents=2, env_fn=functools.partial(TaskEnv, max_len=50))
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(2):
+            envs.recv(timeout=60)  # every env awaits an action
+        envs.send(np.ones(2, np.int64), [2, 3])  # agent 1's envs run
+        ray.kill(envs.agents[1])
+        rows = {}
+        while len(rows) < 2:
+            _, _, _, truncations, infos = envs.recv(timeout=60, partial=True)
+            for i, env in enumerate(infos["env_id"].tolist()):
+                assert infos["_node_lost"][i] and truncations[i]
+                rows[env] = infos["node_lost"][i]
+        assert sorted(rows) == [2, 3] and envs.lost_env_ids == {2, 3}
+        assert "node agent 1 (envs 2..3) on node" in rows[2]
+        with pytest.raises(ValueError, match=r"envs \[2\] of a lost node: node agent 1"):
+            envs.send(np.ones(1, np.int64), [2])
+        with pytest.raises(ValueError, match="lost node"):
+            envs.async_reset(seed=0, env_ids=[3])
+        envs.send(np.ones(2, np.int64), [0, 1])  # the other node's envs go on
+        _, _, _, _, infos = envs.recv(timeout=60)
+        assert sorted(infos["env_id"].tolist()) == [0, 1] and "node_lost" not in infos
+    finally:
+        envs.close()
+
+
+def test_awaitable_envs_lease_no_env_of_a_killed_agent(cluster):
+    """Coroutines whose env was on a killed agent get ``EnvWorkerDiedError``; every lease
+    after it is an env of the live agent, and the episodes go on there."""
+    envs = make_cluster_env(cluster, agents=2, env_fn=functools.partial(TaskEnv, max_len=50))
+    killed = asyncio.Event()
+
+    async def episode(pool, seed):
+        for attempt in range(3):
+            async with pool.env() as env:
+                await env.reset(seed=seed)
+                try:
+                    for _ in range(4):
+                        await env.step(1)
+                        if env.env_id in (2, 3) and not killed.is_set():
+                            killed.set()
+                            ray.kill(envs.agents[1])
+                        await asyncio.sleep(0)
+                except EnvWorkerDiedError:
+                    assert env.env_id in (2, 3) and killed.is_set()
+                    continue
+                return env.env_id, env.trajectory
+        raise AssertionError(f"task {seed} lost its env {attempt + 1} times")
+
+    async def main():
+        async with AwaitableEnvs(envs) as pool:
+            return await asyncio.gather(*(episode(pool, s) for s in range(6)))
+
+    try:
+        done = asyncio.run(main())
+    finally:
+        envs.close()
+    assert killed.is_set() and envs.lost_env_ids == {2, 3}
+    for env_id, traj in done:
+        assert env_id not in envs.lost_env_ids or traj.status is not Status.WORKER_DIED
+        replay(traj, functools.partial(TaskEnv, max_len=50))
+
+
+def test_a_removed_node_costs_only_retries_on_the_other_nodes(cluster):
+    fn = functools.partial(TaskEnv, max_len=30, wait_s=0.01)
+    envs = make_cluster_env(cluster, env_fn=fn)
+    lost_node = cluster.env_nodes[1]
+    try:
+        with Rollouts(envs, obs_policy, group_size=2, max_retries=5) as rollouts:
+            rollouts.submit(seeds=list(range(12)))
+            groups = rollouts.get_batch(1)
+            cluster.remove_node(lost_node, allow_graceful=False)
+            groups += [g for _ in range(11) for g in rollouts.get_batch(1)]
+            stats = rollouts.stats()
+        assert envs.lost_env_ids == {2, 3}
+        assert sorted(g.task.seed for g in groups) == list(range(12))  # each once
+        assert len({g.group_id for g in groups}) == 12
+        assert stats["dropped"].get("node_lost", 0) >= 1
+        retried = 0
+        for group in groups:
+            for traj in group.trajectories:
+                assert traj.status.finished
+                replay(traj, fn)
+                if Status.NODE_LOST in traj.retried_after:
+                    retried += 1
+                    assert traj.env_id not in envs.lost_env_ids
+        assert retried >= 1
+    finally:
+        envs.close()
+        cluster.env_nodes.remove(lost_node)
