@@ -169,7 +169,7 @@ def test_awaitable_envs_lease_no_env_of_a_killed_agent(cluster):
     killed = asyncio.Event()
 
     async def episode(pool, seed):
-        for attempt in range(3):
+        for _ in range(3):
             async with pool.env() as env:
                 await env.reset(seed=seed)
                 try:
@@ -183,7 +183,7 @@ def test_awaitable_envs_lease_no_env_of_a_killed_agent(cluster):
                     assert env.env_id in (2, 3) and killed.is_set()
                     continue
                 return env.env_id, env.trajectory
-        raise AssertionError(f"task {seed} lost its env {attempt + 1} times")
+        raise AssertionError(f"task {seed} lost its env 3 times")
 
     async def main():
         async with AwaitableEnvs(envs) as pool:

@@ -209,8 +209,8 @@ class ClusterVectorEnv(VectorEnvBase):
         self.is_async = True
         self.num_agents = num_agents
         self.autoreset_mode = AutoresetMode(autoreset_mode)
-        #: Failures come back as rows: the agents' ShmVectorEnvs reset a failed env and
-        #: restart a dead worker; a lost agent's envs get ``node_lost`` rows.
+        # Failures come back as rows (the agents' ShmVectorEnvs reset a failed env and
+        # restart a dead worker; a lost agent's envs get ``node_lost`` rows).
         self.on_env_error, self.on_worker_death = "reset", "restart"
         self.ready_timeout_s = float(ready_timeout_s)
         self._state = AsyncState.DEFAULT
@@ -225,7 +225,7 @@ class ClusterVectorEnv(VectorEnvBase):
         self._last_env_ids: np.ndarray | None = None
         #: Why each lost agent was lost (agent index -> message).
         self.lost_agents: dict[int, str] = {}
-        #: The envs whose agent was lost: they take no more work.
+        #: The envs whose agent was lost, which take no more work.
         self.lost_env_ids: frozenset[int] = frozenset()
         self._results = 0
         self._started = time.perf_counter()

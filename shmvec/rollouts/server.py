@@ -34,19 +34,14 @@ from __future__ import annotations
 import asyncio
 import inspect
 import random
-import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from shmvec.rollouts.policies import AsyncPolicy
 from shmvec.rollouts.records import EndTrajectory, PolicyFailure, PolicyRow, RowOutput
 from shmvec.rollouts.server_client import (
-    CONSTRAINED_FIELDS,
     UNREACHABLE,
     ClientShards,
     InFlightLimit,
@@ -60,20 +55,15 @@ from shmvec.rollouts.server_client import (
     post_completions,
 )
 from shmvec.rollouts.server_outages import CancelledAttempts, Outages, ServerUnreachable, answers
+from shmvec.rollouts.server_requests import RequestBody, ServerCheck
+from shmvec.rollouts.server_stats import ServerStats
 from shmvec.rollouts.tokens import (
     ChatTokens,
-    StopRule,
     TurnTokens,
     context_full,
     stop_completion,
     turn_prompt,
 )
-
-#: Replies whose text is compared with the ids decoded by the policy's tokenizer, to find a
-#: tokenizer that is not the server's (ids decode to other text).
-TOKENIZER_CHECKS = 16
-#: Request latencies kept for ``stats()``'s percentiles.
-LATENCIES_KEPT = 10_000
 
 
 @dataclass
@@ -166,31 +156,21 @@ class ServerPolicy(AsyncPolicy):
             max_in_flight, adaptive=adaptive, target_latency_s=target_latency_s
         )
         self.interrupt, self.count_drift = interrupt, count_drift
-        constrained = sorted(set(self.sampling.extra) & CONSTRAINED_FIELDS)
-        if interrupt and constrained:
-            raise ValueError(
-                f"Sampling.extra {constrained} with interrupt=True: a request continued after "
-                "an interruption would start the constraint again; use interrupt=False"
-            )
-        self._stops = StopRule.of(self.sampling.extra, self.chat.stop_ids)
+        self._body = RequestBody.of(model, self.sampling, self.chat.stop_ids, interrupt)
         if on_context_full not in ("fail", "end"):
             raise ValueError(f"on_context_full must be 'fail' or 'end', got {on_context_full!r}")
         self.api_key, self.context_length = api_key, context_length
         self.on_context_full = on_context_full
         self.version = 0
         self._clients: ClientShards | None = None
+        self._server = ServerCheck(
+            self.base_url, model, self.chat, len(tokenizer), self._body.stops
+        )
         self._checked = False
         self._check_lock: asyncio.Lock | None = None
-        self._vocab = len(tokenizer)
-        self._text_checks = 0
         self._streams: dict[asyncio.Task[Any], int] = {}  # streamed requests -> their version
         self._rng = random.Random()
-        self._lock = threading.Lock()  # stats are read from the trainer's thread
-        self._counts: Counter[str] = Counter()
-        self._faults: Counter[str] = Counter()
-        self._failed: Counter[str] = Counter()
-        self._ended: Counter[str] = Counter()
-        self._latencies: deque[float] = deque(maxlen=LATENCIES_KEPT)
+        self._stats = ServerStats()  # read from the trainer's thread
         self.outages = Outages(self._probe, self.base_url, outage_timeout, self.retry.backoff_s)
         self._attempts = CancelledAttempts()
 
@@ -218,35 +198,7 @@ class ServerPolicy(AsyncPolicy):
 
     def stats(self) -> dict[str, Any]:
         """Requests, tokens and failures since construction (callable from any thread)."""
-        with self._lock:
-            latencies = np.array(self._latencies) if self._latencies else None
-            counts = (
-                "requests", "turns", "tokens", "interrupted", "tokens_interrupted",
-                "compared_turns", "drift_turns",
-            )  # fmt: skip
-            return {
-                **dict.fromkeys(counts, 0),
-                **self._counts,
-                "faults": dict(self._faults),
-                "failed": dict(self._failed),
-                "ended": dict(self._ended),
-                "abandoned": self._attempts.abandoned,
-                "outages": self.outages.count,
-                "outage_s": self.outages.seconds(),
-                "in_flight": self.limit.in_flight,
-                "in_flight_limit": self.limit.limit,
-                "in_flight_peak": self.limit.peak,
-                "latency_p50_s": float(np.percentile(latencies, 50))
-                if latencies is not None
-                else 0.0,
-                "latency_p99_s": float(np.percentile(latencies, 99))
-                if latencies is not None
-                else 0.0,
-            }
-
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[key] += n
+        return self._stats.snapshot(self._attempts, self.outages, self.limit)
 
     # -------------------------------------------------------------- one turn
 
@@ -270,8 +222,8 @@ class ServerPolicy(AsyncPolicy):
         drift = None
         if self.count_drift and turns:
             drift = self.chat.rerender(turns, messages) != prompt
-            self._count("compared_turns")
-            self._count("drift_turns", int(drift))
+            self._stats.count("compared_turns")
+            self._stats.count("drift_turns", int(drift))
         with self._attempts.watch(traj):  # ends the call if the rollouts cancel the attempt
             await self._ensure_checked()
             completion = await self._complete(prompt, can_end=bool(turns))
@@ -286,7 +238,7 @@ class ServerPolicy(AsyncPolicy):
             drift=drift,
         )
         text = completion.text
-        self._count("turns")
+        self._stats.count("turns")
         version = min(completion.versions, default=completion.answered)
         return RowOutput(self.action(text) if self.action is not None else text, turn, version)
 
@@ -316,7 +268,7 @@ class ServerPolicy(AsyncPolicy):
             try:
                 async with self.limit.slot():
                     version = self.version  # stamped when sent: after waiting for its slot
-                    self._count("requests")
+                    self._stats.count("requests")
                     if self.interrupt:
                         finished = await self._streamed(prompt, out, left, version)
                     else:
@@ -327,8 +279,7 @@ class ServerPolicy(AsyncPolicy):
                         raise ServerFault("empty_reply", "a completion without a token", True)
             except Exception as error:  # noqa: BLE001 - classified: a fault or a setup error
                 fault = classify(error)
-                with self._lock:
-                    self._faults[fault.kind] += 1
+                self._stats.fault(fault.kind)
                 if fault.kind in UNREACHABLE and await self.outages.suspect():
                     continue  # the server's outage, not the request's: sent again after it
                 failures += 1
@@ -339,66 +290,37 @@ class ServerPolicy(AsyncPolicy):
                     message = f"{fault} (after {failures} failed request(s) of this turn)"
                     if fault.kind == "context_length":
                         raise self._context_full(message, can_end) from error
-                    self._fail(fault.kind)
+                    self._stats.fail(fault.kind)
                     raise PolicyFailure(message) from error
                 await asyncio.sleep(self.retry.delay(failures, fault.retry_after, self._rng))
                 continue
             latency = time.monotonic() - started
             self.limit.answered(latency)
-            with self._lock:
-                self._latencies.append(latency)
+            self._stats.latency(latency)
             if finished:
                 out.answered = version
             else:
-                self._count("interrupted")
-                self._count("tokens_interrupted", len(out.ids) - received)
-                if stop_completion(self.chat, out.ids, self._stops).stopped:
+                self._stats.count("interrupted")
+                self._stats.count("tokens_interrupted", len(out.ids) - received)
+                if stop_completion(self.chat, out.ids, self._body.stops).stopped:
                     out.finish_reason = "stop"  # interrupted after its stop, before its end
         # Over several requests, a stop string across two of them is found here.
-        stop = stop_completion(self.chat, out.ids, self._stops)
+        stop = stop_completion(self.chat, out.ids, self._body.stops)
         if stop.kept < len(out.ids):
             del out.ids[stop.kept :], out.logprobs[stop.kept :], out.versions[stop.kept :]
         out.text = stop.text
-        self._count("tokens", len(out.ids))
+        self._stats.count("tokens", len(out.ids))
         if out.finish_reason is None or stop.stopped:
             out.finish_reason = "stop" if stop.stopped else "length"
         return out
 
-    def _fail(self, kind: str) -> None:
-        with self._lock:
-            self._failed[kind] += 1
-
     def _context_full(self, message: str, can_end: bool) -> Exception:
         """What a prompt that does not fit the context raises (``on_context_full``)."""
         if can_end and self.on_context_full == "end":
-            with self._lock:
-                self._ended["context_length"] += 1
+            self._stats.end("context_length")
             return EndTrajectory(message)
-        self._fail("context_length")
+        self._stats.fail("context_length")
         return PolicyFailure(message)
-
-    def _body(
-        self, prompt: list[int], max_tokens: int, stream: bool, generated: int = 0
-    ) -> dict[str, Any]:
-        """The request body; ``generated``: the completion's ids already in ``prompt`` (a
-        continued request's ``min_tokens`` counts them)."""
-        s = self.sampling
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "logprobs": 0,
-            "stream": stream,
-            "return_token_ids": True,
-            **s.extra,
-        }
-        if s.seed is not None:
-            body["seed"] = s.seed
-        if generated and "min_tokens" in body:
-            body["min_tokens"] = max(int(body["min_tokens"]) - generated, 0)
-        return body
 
     async def _request(self, prompt: list[int], max_tokens: int) -> Piece:
         with self._http().client() as client:
@@ -406,7 +328,7 @@ class ServerPolicy(AsyncPolicy):
         piece = parse_choice(reply)
         if not piece.ids:
             raise ServerFault("empty_reply", "a reply with no token", retry=True)
-        self._check_reply(piece)
+        self._server.reply(piece)
         return piece
 
     async def _streamed(
@@ -434,7 +356,7 @@ class ServerPolicy(AsyncPolicy):
                 try:
                     async for chunk in stream:
                         piece = parse_choice(chunk)
-                        self._check_ids(piece.ids)
+                        self._server.ids(piece.ids)
                         out.add(piece, version)
                         if piece.finish_reason == "abort":
                             out.finish_reason = None
@@ -478,87 +400,21 @@ class ServerPolicy(AsyncPolicy):
                         self._checked = True
             except Exception as error:  # noqa: BLE001 - classified
                 fault = classify(error)
-                with self._lock:
-                    self._faults[fault.kind] += 1
+                self._stats.fault(fault.kind)
                 if fault.kind in UNREACHABLE and await self.outages.suspect():
                     continue  # not up yet: waited for
                 failures += 1
                 if not fault.retry or failures >= self.retry.attempts:
-                    self._fail(fault.kind)
+                    self._stats.fail(fault.kind)
                     raise PolicyFailure(f"{fault} (while checking the server)") from error
                 await asyncio.sleep(self.retry.delay(failures, fault.retry_after, self._rng))
 
     async def _check(self) -> None:
         with self._http().client() as client:
-            try:
-                models = await client.models.list()
-                served = {m.id: m for m in models.data}
-            except (ValueError, TypeError, AttributeError, KeyError) as error:
-                raise ServerSetupError(
-                    f"{self.base_url} is not an OpenAI-compatible server: GET /models answered "
-                    f"{error!r:.200}"
-                ) from error
-            if self.model not in served:
-                raise ServerSetupError(
-                    f"the server at {self.base_url} does not serve model {self.model!r}; it serves "
-                    f"{sorted(served)}"
-                )
+            length = await self._server.served(client)
             if self.context_length is None:
-                length = getattr(served[self.model], "max_model_len", None)
-                self.context_length = int(length) if isinstance(length, int) else None
-            await self._check_tokenizer(client)
-
-    async def _check_tokenizer(self, client: Any) -> None:
-        """Compares the server's tokenization of a probe text with the policy tokenizer's,
-        where the server has vLLM's ``/tokenize``."""
-        import openai
-
-        probe = self.chat.closing + "shmvec probe: héllo, 42 + 7 = 49!"
-        root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
-        try:
-            answer = await client.post(
-                f"{root}/tokenize",
-                cast_to=object,
-                body={"model": self.model, "prompt": probe, "add_special_tokens": False},
-            )
-        except openai.APIStatusError as error:
-            if error.status_code in (404, 405):
-                return  # not vLLM: the replies' ids are checked instead
-            raise
-        theirs = answer.get("tokens") if isinstance(answer, dict) else None
-        ours = self.chat.encode(probe)
-        if theirs is not None and list(theirs) != ours:
-            raise ServerSetupError(
-                f"the tokenizer does not match the server's: {probe!r} is {ours} here and "
-                f"{theirs} on the server"
-            )
-
-    def _check_ids(self, ids: list[int]) -> None:
-        bad = [i for i in ids if not 0 <= i < self._vocab]
-        if bad:
-            raise ServerSetupError(
-                f"the server returned token ids {bad[:5]} outside the tokenizer's "
-                f"{self._vocab} ids: the tokenizer does not match the server's model"
-            )
-
-    def _check_reply(self, piece: Piece) -> None:
-        self._check_ids(piece.ids)
-        if piece.text is None or self._text_checks >= TOKENIZER_CHECKS:
-            return
-        self._text_checks += 1
-        ours = stop_completion(self.chat, piece.ids, self._stops).text.replace("\ufffd", "")
-        theirs = piece.text.replace("\ufffd", "")
-        if ours != theirs and not (
-            # another server may cut its text elsewhere at a stop: a prefix of the ids' text
-            piece.finish_reason == "stop"
-            and self.chat.reply_text(piece.ids, self._stops.skip_special_tokens)
-            .replace("\ufffd", "")
-            .startswith(theirs)
-        ):
-            raise ServerSetupError(
-                f"the server's text {piece.text!r:.80} is not its ids decoded by the "
-                f"tokenizer ({ours!r:.80}): the tokenizer does not match the server's model"
-            )
+                self.context_length = length
+            await self._server.tokenizer(client)
 
 
 __all__ = [
