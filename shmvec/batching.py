@@ -36,6 +36,16 @@ def split_blocks(num_envs: int, num_parts: int) -> list[range]:
     return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
+def send_env_ids(env_ids: Any, last: np.ndarray | None, num_envs: int) -> np.ndarray:
+    """``send``'s ``env_ids`` checked (``check_env_ids``); None: ``last``, the envs of the
+    last ``recv`` (ValueError before any)."""
+    if env_ids is None:
+        if last is None:
+            raise ValueError("send() needs env_ids: no recv() has returned any yet")
+        env_ids = last
+    return check_env_ids(env_ids, num_envs)
+
+
 def check_env_ids(env_ids: Any, num_envs: int) -> np.ndarray:
     """``env_ids`` as int64; TypeError if not 1-D ints, ValueError if out of range
     or repeated."""

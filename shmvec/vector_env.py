@@ -96,10 +96,8 @@ class ShmVectorEnv(VectorEnvBase):
     ones; it behaves as ``AsyncVectorEnv`` / ``SyncVectorEnv`` do, bit for bit.
 
     Args:
-        env_fns (Sequence[Callable[[], gym.Env]]): zero-argument callables, each
-            creating one env.
-        shared_memory (bool, default True): if False, observations are pickled, as
-            in AsyncVectorEnv.
+        env_fns (Sequence[Callable[[], gym.Env]]): zero-argument callables, one an env.
+        shared_memory (bool, default True): if False, observations are pickled (Async's).
         copy (bool, default True): if False, results are views of the result ring,
             valid for ``ring_depth - 1`` further ``step``/``reset`` calls. If True,
             they are the caller's own; observations of 64 KiB a batch or more are
@@ -116,8 +114,7 @@ class ShmVectorEnv(VectorEnvBase):
         max_concurrency (int | None, default None): at most this many envs stepping
             at once (as many workers).
         num_workers (int | None, default None): worker processes; None:
-            ``min(num_envs, cpus)``, the CPUs the process may use (affinity, cgroup CPU
-            quota rounded down, Ray actor's CPUs: ``shmvec.spin.available_cpus``).
+            ``min(num_envs, cpus)``, the CPUs it may use (``spin.available_cpus``).
             ``0``: every env in the main process, through the same code (for debugging).
         batch_size (int | None, default None): with ``batch_size < num_envs``, the
             async engine: use ``async_reset``/``send``/``recv`` (see
@@ -396,10 +393,7 @@ class ShmVectorEnv(VectorEnvBase):
         return self._async
 
     def row_infos(self) -> RowInfos:
-        """The infos of the last ``reset``, ``step`` or ``recv``, row by row, each as
-        its env returned it: ``row_infos().info(i)`` is row ``i``'s dict, Python
-        ``int``/``float``/``bool`` values included (the batched infos, gymnasium's,
-        hold them as numpy scalars). Valid until the next batch."""
+        """The last batch's infos row by row, as each env returned them (``RowInfos``)."""
         return self._decoder.row_infos()
 
     # ------------------------------------------------------------- call & co

@@ -39,6 +39,7 @@ from shmvec.batching import (
     batch_infos,
     check_env_ids,
     check_rows,
+    send_env_ids,
     split_blocks,
     take_rows,
 )
@@ -287,11 +288,7 @@ class ClusterVectorEnv(VectorEnvBase):
 
     def _send(self, actions: Any, env_ids: Any) -> None:
         """Hands ``actions[i]`` to env ``env_ids[i]`` (default: the last ``recv``'s)."""
-        if env_ids is None:
-            if self._last_env_ids is None:
-                raise ValueError("send() needs env_ids: no recv() has returned any yet")
-            env_ids = self._last_env_ids
-        ids = check_env_ids(env_ids, self.num_envs)
+        ids = send_env_ids(env_ids, self._last_env_ids, self.num_envs)
         check_rows(self.single_action_space, actions, len(ids))
         self._check_action_shape(actions)
         if not self._was_reset[ids].all():

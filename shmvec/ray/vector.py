@@ -36,6 +36,7 @@ from shmvec.batching import (
     check_reset_mask,
     check_rows,
     expand_options,
+    send_env_ids,
     split_blocks,
     take_reset_mask,
     take_rows,
@@ -276,11 +277,7 @@ class RayVectorEnv(VectorEnvBase):
 
     def _send(self, actions: Any, env_ids: Any) -> None:
         """``env_ids`` must name whole actor blocks, in any order, whose actors are idle."""
-        if env_ids is None:
-            if self._last_env_ids is None:
-                raise ValueError("send() needs env_ids: no recv() has returned any yet")
-            env_ids = self._last_env_ids
-        ids = check_env_ids(env_ids, self.num_envs)
+        ids = send_env_ids(env_ids, self._last_env_ids, self.num_envs)
         check_rows(self.single_action_space, actions, len(ids))
         if not self._was_reset:
             raise RuntimeError("send() before async_reset(): reset the envs first")
