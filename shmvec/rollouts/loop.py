@@ -7,8 +7,8 @@ An env whose trajectory ends starts its next one at once; there is no turn
 barrier. Each received batch's rows that await an action go to the policy's
 runner at once; its answers are sent on the loop's next pass. No result waits
 for another env: a row waits at most ``POLL_S`` (a per-row policy) or
-``BATCH_WAIT_S`` (a batched one) for its batch to fill, and the loop then takes
-the rows that are in (``recv(take_ready=True)``).
+``BATCH_WAIT_S`` (a batched one, once its call is done) for its batch to fill,
+and the loop then takes the rows that are in (``recv(take_ready=True)``).
 """
 
 from __future__ import annotations
@@ -150,10 +150,14 @@ class Loop:
         """Receives a batch (fewer rows when fewer envs run), records it and hands
         the rows that await an action to the policy's runner."""
         running = len(self.book.busy)
-        timeout = POLL_S if self.runner.outstanding or self.runner.per_row else BATCH_WAIT_S
+        busy, per_row = self.runner.outstanding, self.runner.per_row
+        # A batched policy that is busy takes no row before its call ends: the rows wait
+        # in the slot (it fills meanwhile), and the loop looks for answers every POLL_S.
         try:
             result = self.envs.recv(
-                timeout=timeout, partial=running < self.batch_size, take_ready=True
+                timeout=POLL_S if busy or per_row else BATCH_WAIT_S,
+                partial=running < self.batch_size,
+                take_ready=per_row or not busy,
             )
         except (multiprocessing.TimeoutError, TimeoutError):
             return
