@@ -44,9 +44,9 @@ RECV_SLICE_S = 0.25
 #: at most this long to be sent (small beside a policy call); and how long a row
 #: for a per-row policy waits for its batch to fill.
 POLL_S = 0.002
-#: How long a row for a batched policy waits for its batch to fill: envs that step
-#: at the same pace fill it sooner, and a row of a fast env never waits for a slow
-#: env's step longer than this.
+#: How long a row for a batched policy waits for its batch to fill once the policy's
+#: call is done: envs that step at the same pace fill it sooner, and a row of a fast env
+#: never waits for a slow env's step longer than this.
 BATCH_WAIT_S = 0.005
 
 
