@@ -12,6 +12,7 @@ from shmvec.awaitable import AwaitableEnv, AwaitableEnvs
 from shmvec.errors import (
     EnvDeadlineError,
     EnvFailure,
+    EnvNodeLostError,
     EnvStepError,
     EnvWorkerDiedError,
     LeaseError,
@@ -28,6 +29,7 @@ __all__ = [
     "AwaitableEnvs",
     "EnvDeadlineError",
     "EnvFailure",
+    "EnvNodeLostError",
     "EnvStepError",
     "EnvWorkerDiedError",
     "LeaseError",

@@ -104,6 +104,7 @@ class AwaitableEnvs:
         self._waiters: deque[tuple[str | None, asyncio.Future]] = deque()
         self._handles: list[AwaitableEnv | None] = [None] * self.num_envs
         self._draining: set[int] = set()  # released with a command in flight
+        self._parked: set[int] = set()  # free, but in the vector env's lost_env_ids
         self._dispatcher: Dispatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
@@ -157,6 +158,8 @@ class AwaitableEnvs:
         env = self._take_free(tag)
         if env is not None:
             return env
+        if getattr(self.envs, "exhausted", False):
+            raise self._exhausted()
         waiter = self._loop_or_raise().create_future()
         self._waiters.append((tag, waiter))
         try:
@@ -180,14 +183,16 @@ class AwaitableEnvs:
                 env = free.popleft()
                 if env not in lost:
                     return env
+                self._parked.add(env)
         return None
 
     def _free_env(self, env: int) -> None:
         """Gives ``env`` to the first waiter that takes its tag, or back to the free list;
-        an env that takes no more work (``ClusterVectorEnv.lost_env_ids``: its node was
-        lost) leaves the pool instead."""
+        an env that takes no new work (``ClusterVectorEnv.lost_env_ids``: its node
+        agent is lost, drained or starting) waits aside until it is back."""
         self._handles[env] = None
         if env in getattr(self.envs, "lost_env_ids", ()):
+            self._parked.add(env)
             return
         tag = self.env_tags[env]
         for i, (wanted, waiter) in enumerate(self._waiters):
@@ -216,7 +221,9 @@ class AwaitableEnvs:
             raise RuntimeError(f"the env dispatcher stopped: {self._error!r}") from self._error
         if self._loop is None:
             self._loop = loop
-            self._dispatcher = Dispatcher(self.envs, loop, self._deliver, self._stopped)
+            self._dispatcher = Dispatcher(
+                self.envs, loop, self._deliver, self._stopped, self._envs_changed
+            )
         elif self._loop is not loop:
             raise RuntimeError(
                 "this AwaitableEnvs serves the event loop that first leased an env; "
@@ -252,6 +259,26 @@ class AwaitableEnvs:
                 handle.pending.set_result(result)
             else:  # its coroutine was cancelled while waiting: the episode is unknown
                 handle.needs_reset = True
+
+    def _envs_changed(self) -> None:
+        """The vector env's ``lost_env_ids`` changed: the envs back in the pool are free
+        again; if no env can ever take work, the coroutines waiting for one get a
+        RuntimeError."""
+        lost = getattr(self.envs, "lost_env_ids", ())
+        for env in sorted(self._parked.difference(lost)):
+            self._parked.discard(env)
+            self._free_env(env)
+        if getattr(self.envs, "exhausted", False):
+            for _, waiter in self._waiters:
+                if not waiter.done():
+                    waiter.set_exception(self._exhausted())
+            self._waiters.clear()
+
+    def _exhausted(self) -> RuntimeError:
+        return RuntimeError(
+            "no env can take work: every node agent was lost or drained "
+            f"({getattr(self.envs, 'lost_agents', {})})"
+        )
 
     def _stopped(self, error: BaseException) -> None:
         """The dispatcher died: every waiting coroutine gets the error."""
@@ -370,7 +397,7 @@ class AwaitableEnv:
         """Steps the env; returns ``(obs, reward, terminated, truncated, info)``.
 
         Raises an ``EnvFailure`` (``EnvStepError``, ``EnvDeadlineError``,
-        ``EnvWorkerDiedError``) when the step failed; ``ResetNeeded`` when the
+        ``EnvWorkerDiedError``, ``EnvNodeLostError``) when the step failed; ``ResetNeeded`` when the
         episode ended (or failed, or was never started in this lease)."""
         self._check_call("step")
         if self.needs_reset:

@@ -9,7 +9,10 @@ each, to the event loop with a single ``call_soon_threadsafe``. No result waits 
 another env: ``recv`` blocks at most ``POLL_S`` for its batch to fill, and returns the rows
 that are in by then, so a result reaches its coroutine within ``POLL_S`` of arriving and a
 command is sent within ``POLL_S`` of its ``submit``, whatever the other envs are doing.
-While nothing runs the thread sleeps on a condition that ``submit`` signals.
+While nothing runs the thread sleeps on a condition that ``submit`` signals; over a
+vector env whose envs leave and come back (``lost_env_ids``, ``update_agents``: a
+``ClusterVectorEnv``) it takes in the agents' news every ``IDLE_UPDATE_S`` meanwhile; it
+tells the loop whenever ``lost_env_ids`` changed.
 
 Who may call what: ``submit`` and ``stop`` from the event loop's thread;
 everything else runs in the dispatcher's thread.
@@ -28,7 +31,13 @@ import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
 from shmvec.batching import infos_by_row
-from shmvec.errors import EnvDeadlineError, EnvFailure, EnvStepError, EnvWorkerDiedError
+from shmvec.errors import (
+    EnvDeadlineError,
+    EnvFailure,
+    EnvNodeLostError,
+    EnvStepError,
+    EnvWorkerDiedError,
+)
 from shmvec.rollouts.rows import rows_of
 
 #: Infos with which the vector env reports that an env lost its state, and the failure
@@ -37,12 +46,13 @@ FAILURE_INFOS = {
     "env_error": "env_error",
     "worker_restarted": "worker_died",
     "actor_restarted": "worker_died",
-    "node_lost": "worker_died",
+    "node_lost": "node_lost",
     "step_deadline": "deadline",
 }
 FAILURES: dict[str, type[EnvFailure]] = {
     "env_error": EnvStepError,
     "worker_died": EnvWorkerDiedError,
+    "node_lost": EnvNodeLostError,
     "deadline": EnvDeadlineError,
 }
 #: Infos that are the layer's, not the env's: no coroutine's ``info`` carries them.
@@ -56,6 +66,9 @@ IDLE_S = 1.0
 #: while every running env is in a long call costs ~6% of a core (docs/design/heuristics.md,
 #: "Awaitable envs' recv polls").
 POLL_S = 0.002
+#: How often an idle dispatcher takes in a cluster's news (an agent started, was lost or
+#: drained): the delay before a returning env reaches a waiting coroutine.
+IDLE_UPDATE_S = 0.1
 
 
 @dataclass
@@ -79,6 +92,7 @@ class Dispatcher:
         loop: the event loop that ``deliver`` and ``stopped`` run on.
         deliver: called on the loop with each batch's ``[(env, Result)]``.
         stopped: called on the loop with the exception that stopped the thread.
+        changed: called on the loop after the vector env's ``lost_env_ids`` changed.
     """
 
     def __init__(
@@ -87,9 +101,12 @@ class Dispatcher:
         loop: asyncio.AbstractEventLoop,
         deliver: Callable[[list[tuple[int, Result]]], None],
         stopped: Callable[[BaseException], None],
+        changed: Callable[[], None] | None = None,
     ) -> None:
         self.envs, self.loop = envs, loop
-        self.deliver, self.stopped = deliver, stopped
+        self.deliver, self.stopped, self.changed = deliver, stopped, changed
+        self._lost = getattr(envs, "lost_env_ids", None)
+        self._updates = hasattr(envs, "update_agents")  # its envs may leave and come back
         self.num_envs = envs.num_envs
         self.space = envs.single_action_space
         self._lock = threading.Lock()
@@ -132,12 +149,18 @@ class Dispatcher:
         with self._lock:
             if self._stopping:
                 return False
-            if not self._queue and not self._in_flight:
+            idle = not self._queue and not self._in_flight
+            if idle:
                 self._idle = True
-                self._wake.wait(IDLE_S)
+                self._wake.wait(IDLE_UPDATE_S if self._updates else IDLE_S)
                 self._idle = False
-                return True
-            queue, self._queue = self._queue, []
+            else:
+                queue, self._queue = self._queue, []
+        if idle:
+            if self._updates:
+                self.envs.update_agents()
+                self._note_changes()
+            return True
         resets = [(env, cmd) for env, cmd in queue if cmd[0] == "reset"]
         steps = [(env, cmd[1]) for env, cmd in queue if cmd[0] == "step"]
         if resets:
@@ -145,7 +168,15 @@ class Dispatcher:
         if steps:
             self._send(steps)
         self._receive()
+        self._note_changes()
         return True
+
+    def _note_changes(self) -> None:
+        lost = getattr(self.envs, "lost_env_ids", None)
+        if lost is not self._lost:
+            self._lost = lost
+            if self.changed is not None:
+                self.loop.call_soon_threadsafe(self.changed)
 
     def _start(self, resets: list[tuple[int, tuple]]) -> None:
         seeds: list[int | None] = [None] * self.num_envs

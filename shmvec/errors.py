@@ -83,7 +83,7 @@ class EnvFailure(RuntimeError):
     Attributes:
         env_id: the env's index in the vector env.
         tag: its tag (``make_mix``'s ``env_tags``), or None.
-        what: ``"env_error"``, ``"deadline"`` or ``"worker_died"``.
+        what: ``"env_error"``, ``"deadline"``, ``"worker_died"`` or ``"node_lost"``.
         detail: what the vector env reported (the env's exception, the deadline).
     """
 
@@ -120,6 +120,15 @@ class EnvWorkerDiedError(EnvFailure):
 
     what = "worker_died"
     happened = "lost its worker"
+
+
+class EnvNodeLostError(EnvWorkerDiedError):
+    """The env's node agent (``shmvec.ray.ClusterVectorEnv``) was lost or drained during
+    the call, or before it: the env's state is gone and the env takes no more work until
+    its agent is back (``lost_env_ids``); lease another env."""
+
+    what = "node_lost"
+    happened = "lost its node"
 
 
 class LeaseError(RuntimeError):

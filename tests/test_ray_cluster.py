@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from rollout_envs import TaskEnv, obs_policy
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
 
-from shmvec import EnvWorkerDiedError, ShmVectorEnv  # noqa: E402
+from shmvec import EnvNodeLostError, ShmVectorEnv  # noqa: E402
 from shmvec.awaitable import AwaitableEnvs  # noqa: E402
 from shmvec.ray import ClusterVectorEnv  # noqa: E402
 from shmvec.rollouts import Rollouts, Status, replay  # noqa: E402
@@ -135,8 +136,10 @@ def test_an_env_factory_that_fails_names_its_agent_and_node(cluster):
                          node_ids=node_ids(cluster)[:2], batch_size=2)  # fmt: skip
 
 
-def test_a_killed_agent_ends_its_running_envs_and_refuses_more_work(cluster):
-    envs = make_cluster_env(cluster, agents=2, env_fn=functools.partial(TaskEnv, max_len=50))
+def test_a_killed_agent_ends_its_running_envs_and_answers_more_work_with_node_lost(cluster):
+    envs = make_cluster_env(
+        cluster, agents=2, env_fn=functools.partial(TaskEnv, max_len=50), agent_restarts=0
+    )
     try:
         envs.async_reset(seed=0)
         for _ in range(2):
@@ -151,35 +154,41 @@ def test_a_killed_agent_ends_its_running_envs_and_refuses_more_work(cluster):
                 rows[env] = infos["node_lost"][i]
         assert sorted(rows) == [2, 3] and envs.lost_env_ids == {2, 3}
         assert "node agent 1 (envs 2..3) on node" in rows[2]
-        with pytest.raises(ValueError, match=r"envs \[2\] of a lost node: node agent 1"):
-            envs.send(np.ones(1, np.int64), [2])
-        with pytest.raises(ValueError, match="lost node"):
-            envs.async_reset(seed=0, env_ids=[3])
+        assert envs.agent_states == ["live", "vacant"] and envs.exhausted is False
+        # Each further command to them is answered at once by a node_lost row, a reset too.
+        envs.send(np.ones(1, np.int64), [2])
+        envs.async_reset(seed=0, env_ids=[3])
         envs.send(np.ones(2, np.int64), [0, 1])  # the other node's envs go on
-        _, _, _, _, infos = envs.recv(timeout=60)
-        assert sorted(infos["env_id"].tolist()) == [0, 1] and "node_lost" not in infos
+        seen: dict[int, bool] = {}
+        while len(seen) < 4:
+            _, _, _, _, infos = envs.recv(timeout=60, partial=True)
+            for i, env in enumerate(infos["env_id"].tolist()):
+                seen[env] = bool(infos.get("_node_lost", np.zeros(len(infos["env_id"])))[i])
+        assert seen == {0: False, 1: False, 2: True, 3: True}
     finally:
         envs.close()
 
 
 def test_awaitable_envs_lease_no_env_of_a_killed_agent(cluster):
-    """Coroutines whose env was on a killed agent get ``EnvWorkerDiedError``; every lease
-    after it is an env of the live agent, and the episodes go on there."""
-    envs = make_cluster_env(cluster, agents=2, env_fn=functools.partial(TaskEnv, max_len=50))
+    """Coroutines whose env was on a killed agent get ``EnvNodeLostError`` (at a step or a
+    reset); every lease after it is an env of the live agent, and the episodes go on there."""
+    envs = make_cluster_env(
+        cluster, agents=2, env_fn=functools.partial(TaskEnv, max_len=50), agent_restarts=0
+    )
     killed = asyncio.Event()
 
     async def episode(pool, seed):
         for _ in range(3):
             async with pool.env() as env:
-                await env.reset(seed=seed)
                 try:
+                    await env.reset(seed=seed)
                     for _ in range(4):
                         await env.step(1)
                         if env.env_id in (2, 3) and not killed.is_set():
                             killed.set()
                             ray.kill(envs.agents[1])
                         await asyncio.sleep(0)
-                except EnvWorkerDiedError:
+                except EnvNodeLostError:
                     assert env.env_id in (2, 3) and killed.is_set()
                     continue
                 return env.env_id, env.trajectory
@@ -197,6 +206,174 @@ def test_awaitable_envs_lease_no_env_of_a_killed_agent(cluster):
     for env_id, traj in done:
         assert env_id not in envs.lost_env_ids or traj.status is not Status.WORKER_DIED
         replay(traj, functools.partial(TaskEnv, max_len=50))
+
+
+def test_a_reset_on_a_killed_agent_raises_node_lost_and_the_pool_goes_on(cluster):
+    """Whether the loss is seen before the reset is sent or while it runs, the coroutine's
+    reset raises ``EnvNodeLostError``; the next lease is an env of the live agent."""
+    envs = make_cluster_env(cluster, agents=2, agent_restarts=0)
+
+    async def main():
+        async with AwaitableEnvs(envs) as pool:
+            leases = [pool.env() for _ in range(3)]
+            held = [await lease.__aenter__() for lease in leases]
+            assert [env.env_id for env in held] == [0, 1, 2]
+            ray.kill(envs.agents[1])
+            with pytest.raises(EnvNodeLostError, match="env 2: reset lost its node"):
+                await held[2].reset(seed=1)
+            for lease in leases:
+                await lease.__aexit__(None, None, None)
+            async with pool.env() as env:
+                await env.reset(seed=2)
+                await env.step(1)
+                return env.env_id
+
+    try:
+        assert asyncio.run(main()) in (0, 1)
+        assert envs.lost_env_ids == {2, 3}
+    finally:
+        envs.close()
+
+
+def wait_for(condition, timeout_s: float) -> None:
+    """Sleeps until ``condition()`` (another thread makes it true), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def agent_of_traj(envs, traj) -> int:
+    return int(envs.agent_of[traj.env_id])
+
+
+def test_a_killed_agent_is_started_again_and_its_envs_take_work(cluster):
+    """Agent 1 is killed mid-run: its attempts end as node_lost and run again, the agent
+    is re-created where Ray places it (the third node is free), and later attempts run on
+    its envs again; every trajectory replays."""
+    fn = functools.partial(TaskEnv, max_len=20, wait_s=0.005)
+    envs = make_cluster_env(cluster, agents=2, env_fn=fn)
+    try:
+        with Rollouts(envs, obs_policy, group_size=2, max_retries=5) as rollouts:
+            rollouts.submit(seeds=list(range(4)))
+            groups = list(rollouts.get_batch(1))
+            first = envs.agents[1]
+            ray.kill(first)
+            groups += [g for _ in range(3) for g in rollouts.get_batch(1)]
+            wait_for(lambda: envs.agent_states == ["live", "live"], 60)  # the loop sees it
+            assert envs.agent_states == ["live", "live"] and envs.lost_env_ids == frozenset()
+            assert envs.agents[1] is not first and 1 in envs.lost_agents
+            rollouts.submit(seeds=list(range(4, 16)))
+            groups += [g for _ in range(12) for g in rollouts.get_batch(1)]
+            stats = rollouts.stats()
+        assert sorted(g.task.seed for g in groups) == list(range(16))
+        assert stats["dropped"].get("node_lost", 0) >= 1
+        trajs = [t for g in groups for t in g.trajectories]
+        assert any(agent_of_traj(envs, t) == 1 for t in trajs if t.task.seed >= 4)
+        for traj in trajs:
+            assert traj.status.finished
+            replay(traj, fn)
+    finally:
+        envs.close()
+
+
+def test_a_drained_agent_finishes_its_episodes_and_leaves(cluster):
+    """``drain(1)`` mid-run: no attempt fails, none starts on its envs after it, the agent
+    closes its envs and leaves (vacant); ``num_envs`` stays."""
+    fn = functools.partial(TaskEnv, max_len=15, wait_s=0.005)
+    envs = make_cluster_env(cluster, env_fn=fn)
+    try:
+        with Rollouts(envs, obs_policy, group_size=2) as rollouts:
+            rollouts.submit(seeds=list(range(12)))
+            groups = list(rollouts.get_batch(1))
+            assert envs.drain(1) == [1]
+            wait_for(lambda: envs.lost_env_ids == {2, 3}, 10)  # the loop's next turn
+            drained_at = time.monotonic()
+            groups += [g for _ in range(11) for g in rollouts.get_batch(1)]
+            stats = rollouts.stats()
+        assert envs.agent_states == ["live", "vacant", "live"] and envs.num_envs == 6
+        assert sorted(g.task.seed for g in groups) == list(range(12))
+        assert not stats["dropped"], stats["dropped"]
+        for traj in (t for g in groups for t in g.trajectories):
+            assert traj.status.finished and not traj.retried_after
+            if traj.started_s > drained_at:
+                assert traj.env_id not in (2, 3)
+            replay(traj, fn)
+    finally:
+        envs.close()
+
+
+def test_a_drain_past_its_timeout_hands_the_running_episode_back(cluster):
+    envs = make_cluster_env(cluster, agents=2, env_fn=functools.partial(TaskEnv, max_len=50))
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(2):
+            envs.recv(timeout=60)
+        envs.send(np.ones(2, np.int64), [0, 2])
+        assert envs.drain(node_id=envs.agent_node_ids[1], timeout_s=0.0) == [1]
+        rows = {}
+        while len(rows) < 2:
+            _, _, _, truncations, infos = envs.recv(timeout=60, partial=True)
+            for i, env in enumerate(infos["env_id"].tolist()):
+                lost = "_node_lost" in infos and infos["_node_lost"][i]
+                rows[env] = infos["node_lost"][i] if lost else None
+        assert rows[0] is None and "was drained" in rows[2]
+        envs.update_agents(timeout=5)
+        assert envs.agent_states[1] in ("closing", "vacant")
+    finally:
+        envs.close()
+
+
+def test_an_agent_that_ray_cannot_place_yet_joins_when_a_node_does(cluster):
+    """Four agents of one CPU over three one-CPU nodes: the constructor waits for three
+    (``min_agents``); the fourth starts when a node joins, and its envs then take work."""
+    fn = functools.partial(TaskEnv, max_len=10, wait_s=0.005)
+    envs = ClusterVectorEnv([fn] * 8, num_agents=4, min_agents=3, batch_size=2)
+    joined = None
+    try:
+        pending = envs.agent_states.index("starting")
+        late = set(envs.blocks[pending])
+        assert envs.lost_env_ids == late and envs.num_envs == 8
+        with Rollouts(envs, obs_policy, group_size=2) as rollouts:
+            rollouts.submit(seeds=list(range(4)))
+            groups = [g for _ in range(4) for g in rollouts.get_batch(1)]
+            assert all(t.env_id not in late for g in groups for t in g.trajectories)
+            joined = cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES)
+            wait_for(lambda: not envs.lost_env_ids, 90)
+            assert envs.agent_states == ["live"] * 4
+            assert envs.agent_node_ids[pending] == joined.node_id
+            rollouts.submit(seeds=list(range(4, 40)))
+            groups += [g for _ in range(36) for g in rollouts.get_batch(1)]
+        assert sorted(g.task.seed for g in groups) == list(range(40))
+        assert any(t.env_id in late for g in groups for t in g.trajectories)
+    finally:
+        envs.close()
+        if joined is not None:
+            cluster.remove_node(joined)
+
+
+def test_rollouts_and_awaitable_envs_raise_when_every_agent_is_gone(cluster):
+    envs = make_cluster_env(cluster, agents=2, agent_restarts=0)
+    try:
+        for agent in envs.agents:
+            ray.kill(agent)
+        with Rollouts(envs, obs_policy, group_size=2) as rollouts:
+            rollouts.submit(seeds=[0])
+            with pytest.raises(RuntimeError, match="no env can take work"):
+                rollouts.get_batch(1, timeout=60)
+        assert envs.exhausted
+
+        async def lease(pool):
+            async with pool.env() as env:
+                await env.reset(seed=0)
+
+        async def main():
+            async with AwaitableEnvs(envs) as pool:
+                await asyncio.wait_for(lease(pool), 60)
+
+        with pytest.raises(RuntimeError, match="no env can take work"):
+            asyncio.run(main())
+    finally:
+        envs.close()
 
 
 def test_a_removed_node_costs_only_retries_on_the_other_nodes(cluster):

@@ -77,7 +77,7 @@ class Book:
         for env, tag in enumerate(env_tags):
             self.free.setdefault(tag, deque()).append(env)
         self.on_env: list[Trajectory | None] = [None] * len(env_tags)
-        self.retired: set[int] = set()  # envs that take no more work (their node was lost)
+        self.retired: set[int] = set()  # envs that take no new work (their node is not live)
         self.busy: set[int] = set()  # envs with a command the vector env has not returned
         self.resolved: list[Resolved] = []
         self.labels_launched: dict[Any, int] = {}
@@ -268,14 +268,19 @@ class Book:
         if env not in self.retired:
             self.free[self.env_tags[env]].append(env)
 
-    def retire(self, envs: Any) -> None:
-        """``envs`` take no more work (a vector env's ``lost_env_ids``): no attempt is
-        launched on them again."""
-        if len(envs) <= len(self.retired):
+    def set_lost(self, envs: Any) -> None:
+        """``envs`` take no new work now (a vector env's ``lost_env_ids``): no attempt is
+        launched on them; an env that left that set (its node agent is back) is free again
+        once idle."""
+        if len(envs) == len(self.retired) and self.retired.issuperset(envs):
             return
-        self.retired.update(envs)
+        back = self.retired.difference(envs)
+        self.retired = set(envs)
         for tag, free in self.free.items():
             self.free[tag] = deque(env for env in free if env not in self.retired)
+        for env in sorted(back):
+            if self.on_env[env] is None and env not in self.busy:
+                self.free[self.env_tags[env]].append(env)
 
     def _apply(self, group: GroupState, decision: Decision, now: float) -> None:
         self.queue.extendleft(reversed(decision.launch))  # retries before new groups

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from shmvec.rollouts.records import RETRYABLE, Group, Status, Task, Trajectory
+from shmvec.rollouts.records import INFRASTRUCTURE, RETRYABLE, Group, Status, Task, Trajectory
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class GroupPolicy:
     Attributes:
         group_size: trajectories a complete group holds.
         max_retries: a failed trajectory is run again from the same seed and
-            options up to this many times.
+            options up to this many times; a lost node (``node_lost``) is the
+            infrastructure's failure and is retried without counting.
         min_survivors: when a trajectory fails past its retries, the group is
             kept if at least this many of its trajectories finished; None: the
             group is dropped (it needs all ``group_size``).
@@ -112,7 +113,10 @@ class GroupState:
         traj.status, traj.ended_s = status, traj.ended_s or now
         self.failed.append(traj)
         self.any_failure = True
-        if retry and status in RETRYABLE and traj.attempt < self.policy.max_retries:
+        # A lost node is the infrastructure's failure: it spends none of max_retries.
+        spent = traj.attempt - sum(s in INFRASTRUCTURE for s in traj.retried_after)
+        may = status in INFRASTRUCTURE or spent < self.policy.max_retries
+        if retry and status in RETRYABLE and may:
             again = Trajectory(self.task, self.group_id, traj.index, traj.attempt + 1)
             again.retried_after = [*traj.retried_after, status]
             self.current[traj.index] = again

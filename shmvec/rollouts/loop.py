@@ -35,7 +35,7 @@ FAILURE_INFOS = {
     "env_error": Status.ENV_ERROR,
     "worker_restarted": Status.WORKER_DIED,
     "actor_restarted": Status.WORKER_DIED,
-    "node_lost": Status.NODE_LOST,  # ClusterVectorEnv: its envs leave the pool (lost_env_ids)
+    "node_lost": Status.NODE_LOST,  # ClusterVectorEnv: its node agent was lost or drained
     "step_deadline": Status.DEADLINE,
 }
 #: How long one ``recv`` blocks before the loop looks at its stop flag again.
@@ -111,14 +111,19 @@ class Loop:
                 self.held_s += now - self.tick_s
             self.tick_s = now
             resolved = book.resolutions
-            book.retire(getattr(self.envs, "lost_env_ids", ()))
+            book.set_lost(getattr(self.envs, "lost_env_ids", ()))
             starts = book.launch(now)
             answers = self._take_answers(now)
             if book.resolutions != resolved:
                 self.changed.notify_all()
-            if not starts and not answers and not book.busy:
+            idle = not starts and not answers and not book.busy
+            if idle:
+                self._check_envs_left()
                 self.changed.wait(POLL_S if self.runner.outstanding else RECV_SLICE_S)
-                return True
+        if idle:
+            if hasattr(self.envs, "update_agents"):
+                self.envs.update_agents()  # a cluster's agents started, were lost or drained
+            return True
         if starts:
             self._start(starts)
         if answers:
@@ -126,6 +131,15 @@ class Loop:
         if book.busy:
             self._receive()
         return True
+
+    def _check_envs_left(self) -> None:
+        """A RuntimeError when work waits and no env will ever take it (every node agent
+        of a ClusterVectorEnv is gone)."""
+        if getattr(self.envs, "exhausted", False) and (self.book.queue or self.book.tasks_left()):
+            raise RuntimeError(
+                "no env can take work: every node agent was lost or drained "
+                f"({getattr(self.envs, 'lost_agents', {})})"
+            )
 
     def _start(self, starts: list[tuple[int, Trajectory]]) -> None:
         seeds: list[int | None] = [None] * self.num_envs

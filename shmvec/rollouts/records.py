@@ -79,6 +79,10 @@ RETRYABLE = frozenset(
     }
 )
 
+#: Failures of the infrastructure, not of the task: retried without spending ``max_retries``
+#: (each one ends a node agent's envs, so their number is bounded by the cluster's losses).
+INFRASTRUCTURE = frozenset({Status.NODE_LOST})
+
 
 @dataclass
 class Trajectory:

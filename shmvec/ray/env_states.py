@@ -1,0 +1,134 @@
+"""Where each env of a ClusterVectorEnv stands (in flight, answered, reset, stale, in an
+episode), and the rows its agents sent that ``recv`` has not returned yet. Nothing here
+needs Ray.
+
+An env is *stale* once its agent was lost or drained, or it was answered with a
+``node_lost`` row: only a reset, on a live agent, routes it again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector.utils import create_empty_array
+
+from shmvec.batching import batch_infos
+from shmvec.ray.agent import NODE_LOST
+from shmvec.ray.blocks import StepBatch, join_step_batches, select_step_rows
+from shmvec.ray.members import SlotState
+
+__all__ = ["EnvStates", "ReadyRows"]
+
+
+class ReadyRows:
+    """The rows the agents sent that ``recv`` has not returned yet, in arrival order."""
+
+    def __init__(self, space: gym.Space) -> None:
+        self.space = space
+        self.batches: deque[tuple[StepBatch, np.ndarray]] = deque()  # (batch, global env ids)
+        self.count = 0
+
+    def add(self, batch: StepBatch, env_ids: np.ndarray) -> None:
+        self.batches.append((batch, env_ids))
+        self.count += len(env_ids)
+
+    def take(self, need: int) -> tuple[StepBatch, np.ndarray]:
+        """The first ``need`` rows (fewer if fewer are in) and their env ids."""
+        batches, id_parts, taken = [], [], 0
+        while self.batches and taken < need:
+            batch, ids = self.batches.popleft()
+            if taken + len(ids) > need:
+                cut, rows = need - taken, np.arange(len(ids))
+                rest = select_step_rows(self.space, batch, rows[cut:])
+                self.batches.appendleft((rest, ids[cut:]))
+                batch, ids = select_step_rows(self.space, batch, rows[:cut]), ids[:cut]
+            batches.append(batch)
+            id_parts.append(ids)
+            taken += len(ids)
+        self.count -= taken
+        return join_step_batches(self.space, batches), np.concatenate(id_parts)
+
+
+class EnvStates:
+    """The per-env state of ``num_envs`` envs; ``rows`` once the spaces are known."""
+
+    def __init__(self, num_envs: int) -> None:
+        self.in_flight = np.zeros(num_envs, dtype=bool)  # command sent, row not returned
+        self.answered = np.zeros(num_envs, dtype=bool)  # its row is buffered
+        self.was_reset = np.zeros(num_envs, dtype=bool)  # reset on its current agent
+        self.stale = np.zeros(num_envs, dtype=bool)
+        self.open = np.zeros(num_envs, dtype=bool)  # in an episode: a drained agent lets it end
+        self.rows: ReadyRows | None = None
+
+    def start(self, ids: np.ndarray) -> None:
+        """Checks that ``ids`` await a command; marks them in flight."""
+        busy = ids[self.in_flight[ids]]
+        if len(busy):
+            raise ValueError(
+                f"envs {busy.tolist()} are not awaiting a command: their previous one is still "
+                "running (recv() its result first)"
+            )
+        self.in_flight[ids] = True
+
+    def assert_idle(self, name: str) -> None:
+        if self.in_flight.any():
+            running = np.flatnonzero(self.in_flight).tolist()
+            raise RuntimeError(f"{name}() while envs {running} run: recv() their results first")
+
+    def never_reset(self, ids: np.ndarray) -> np.ndarray:
+        return ids[~self.was_reset[ids] & ~self.stale[ids]]
+
+    def refused(self, ids: np.ndarray, reset: bool, state: SlotState) -> np.ndarray:
+        """Which of ``ids`` (one agent's, in ``state``) cannot take the command: none live,
+        a step to a stale env, a new episode on a draining agent."""
+        if state is SlotState.LIVE:
+            return np.zeros(len(ids), dtype=bool) if reset else self.stale[ids]
+        if state is SlotState.DRAINING:
+            return ~self.open[ids] | self.stale[ids]
+        return np.ones(len(ids), dtype=bool)
+
+    def routed(self, ids: np.ndarray, reset: bool) -> None:
+        if reset:
+            self.was_reset[ids], self.stale[ids], self.open[ids] = True, False, True
+
+    def rows_in(self, batch: StepBatch, ids: np.ndarray) -> None:
+        """An agent's rows of envs ``ids`` (global)."""
+        assert self.rows is not None
+        self.answered[ids] = True
+        self.open[ids] = ~(batch[2] | batch[3])
+        self.rows.add(batch, ids)
+
+    def lost_rows(self, ids: np.ndarray, reason: str) -> None:
+        """Buffers a ``node_lost`` row (truncated, zero observation) for each env of ``ids``."""
+        assert self.rows is not None
+        n = len(ids)
+        obs = create_empty_array(self.rows.space, n, fn=np.zeros)
+        infos = batch_infos([(i, [{NODE_LOST: reason}]) for i in range(n)], n)
+        batch = (obs, np.zeros(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), infos)
+        self.answered[ids] = True
+        self.open[ids], self.stale[ids] = False, True
+        self.rows.add(batch, ids)
+
+    def running(self, ids: np.ndarray) -> np.ndarray:
+        """Those of ``ids`` whose command runs on their agent (no row buffered yet)."""
+        return ids[self.in_flight[ids] & ~self.answered[ids]]
+
+    def lose(self, ids: np.ndarray, reason: str) -> None:
+        """Their agent is gone: the running ones get ``node_lost`` rows; all are stale."""
+        running = self.running(ids)
+        if len(running):
+            self.lost_rows(running, reason)
+        self.stale[ids], self.open[ids] = True, False
+
+    def busy(self, ids: np.ndarray) -> bool:
+        """Whether any of ``ids`` is in an episode or runs a command."""
+        return bool(self.open[ids].any() or len(self.running(ids)))
+
+    def take(self, need: int) -> tuple[StepBatch, np.ndarray]:
+        assert self.rows is not None
+        batch, env_ids = self.rows.take(need)
+        self.in_flight[env_ids] = False
+        self.answered[env_ids] = False
+        return batch, env_ids

@@ -1,0 +1,288 @@
+"""The node agents of one ClusterVectorEnv as slots: each slot holds one block of env ids
+and, at any time, at most one agent and one outstanding call of it, so the driver waits on
+at most one reference per slot.
+
+A slot is ``starting`` (its actor is created, or waits for Ray to find it a node: a node
+that joins the cluster gets it), ``live``, ``draining`` (no new work; it closes once its
+envs are idle), ``closing`` or ``vacant`` (lost or drained, and not re-created). A slot
+whose agent dies is started again, up to ``restarts`` times, wherever Ray can place it.
+``Members.wait`` turns the calls that ended into events for the vector env.
+
+Methods may be called from one thread at a time (the driver's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import ray
+from gymnasium.vector.vector_env import AutoresetMode
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from shmvec.errors import add_note
+from shmvec.ray.agent import AGENT_CONCURRENCY, RemoteNodeAgent
+
+__all__ = ["Event", "Members", "SlotState"]
+
+logger = logging.getLogger("shmvec")
+
+
+class SlotState(enum.Enum):
+    STARTING = "starting"
+    LIVE = "live"
+    DRAINING = "draining"
+    CLOSING = "closing"
+    VACANT = "vacant"
+
+
+@dataclass
+class Slot:
+    block: range
+    strategy: Any  # the scheduling strategy of its first agent
+    state: SlotState = SlotState.STARTING
+    actor: Any = None
+    ref: Any = None  # describe (starting), ready (live, draining) or close (closing)
+    node_id: str = ""
+    restarts: int = 0
+    #: Why its envs take no work now (starting, lost, drained), for their ``node_lost`` rows.
+    reason: str = ""
+    drain_deadline: float = 0.0  # time.monotonic() when its running episodes are cut
+
+
+@dataclass
+class Event:
+    """What one ended call says: ``kind`` is ``"rows"`` (``value``: the batch a ``ready``
+    call returned, or None), ``"started"`` (``value``: the agent's description),
+    ``"lost"`` (the agent died; ``value``: why), ``"failed"`` (it could not create its
+    envs; ``value``: why) or ``"closed"``."""
+
+    kind: str
+    agent: int
+    value: Any = None
+
+
+class Members:
+    """The slots of one ClusterVectorEnv and their agents' calls.
+
+    Args:
+        env_fns: every env's callable; slot ``k`` runs ``env_fns[blocks[k]]``.
+        blocks: each slot's env ids.
+        agent_args: ``(autoreset_mode, vector_kwargs, coalesce_s)`` of every agent.
+        options: the agents' ``ActorClass.options`` (``num_cpus``...).
+        node_ids: pin slot ``k``'s first agent to ``node_ids[k]`` (its restarts
+            prefer that node and go elsewhere when it is gone); None: ``"SPREAD"``.
+        restarts: how many times a slot's agent is started again after it died.
+        ready_timeout_s: how long a ``ready`` call waits for a row (an idle
+            agent's heartbeat).
+    """
+
+    def __init__(
+        self,
+        env_fns: list[Callable[[], gym.Env]],
+        blocks: list[range],
+        agent_args: tuple[AutoresetMode, dict[str, Any], float],
+        options: dict[str, Any],
+        node_ids: list[str] | None,
+        restarts: int,
+        ready_timeout_s: float,
+    ) -> None:
+        self.env_fns, self.agent_args = env_fns, agent_args
+        self.options = {"max_concurrency": AGENT_CONCURRENCY, **options}
+        self.restarts, self.ready_timeout_s = restarts, ready_timeout_s
+        pins = [None] * len(blocks) if node_ids is None else node_ids
+        self.slots = [
+            Slot(block, "SPREAD" if pin is None else NodeAffinitySchedulingStrategy(pin, False))
+            for block, pin in zip(blocks, pins)
+        ]
+        self._calls: dict[Any, int] = {}  # outstanding reference -> slot
+        for k in range(len(blocks)):
+            self._create(k)
+
+    # ------------------------------------------------------------ the slots
+
+    def state(self, k: int) -> SlotState:
+        return self.slots[k].state
+
+    def in_state(self, state: SlotState) -> list[int]:
+        return [k for k, slot in enumerate(self.slots) if slot.state is state]
+
+    def unavailable(self) -> frozenset[int]:
+        """The env ids of the slots that are not live (they take no new work)."""
+        return frozenset(
+            e for slot in self.slots if slot.state is not SlotState.LIVE for e in slot.block
+        )
+
+    def actors(self) -> list[Any]:
+        """Each slot's agent (None where it has none)."""
+        return [slot.actor for slot in self.slots]
+
+    def live(self) -> list[tuple[int, Any]]:
+        """``(slot, agent)`` of the slots whose agent runs envs (live or draining)."""
+        running = (SlotState.LIVE, SlotState.DRAINING)
+        return [(k, s.actor) for k, s in enumerate(self.slots) if s.state in running]
+
+    def describe_rows(self, k: int) -> str:
+        block = self.slots[k].block
+        return f"{block.start}..{block.stop - 1}"
+
+    def name(self, k: int) -> str:
+        slot = self.slots[k]
+        where = f" on node {slot.node_id}" if slot.node_id else ""
+        return f"node agent {k} (envs {self.describe_rows(k)}){where}"
+
+    # ---------------------------------------------------------------- calls
+
+    def _create(self, k: int) -> None:
+        slot = self.slots[k]
+        strategy = slot.strategy
+        if slot.restarts and isinstance(strategy, NodeAffinitySchedulingStrategy):
+            strategy = NodeAffinitySchedulingStrategy(strategy.node_id, soft=True)
+        actor = RemoteNodeAgent.options(scheduling_strategy=strategy, **self.options)
+        fns = self.env_fns[slot.block.start : slot.block.stop]
+        slot.actor = actor.remote(k, fns, *self.agent_args)
+        slot.state, slot.node_id = SlotState.STARTING, ""
+        slot.reason = f"{self.name(k)} is starting"
+        self._call(k, slot.actor.describe.remote())
+
+    def _call(self, k: int, ref: Any) -> None:
+        self.slots[k].ref = ref
+        self._calls[ref] = k
+
+    def ask(self, k: int) -> None:
+        """Starts slot ``k``'s next ``ready`` call."""
+        self._call(k, self.slots[k].actor.ready.remote(self.ready_timeout_s))
+
+    def wait(self, timeout: float | None) -> list[Event]:
+        """Waits up to ``timeout`` for any slot's call; the events of every call that
+        ended by then (a live slot's next ``ready`` call is started by the caller)."""
+        refs = list(self._calls)
+        if not refs:
+            return []
+        done, rest = ray.wait(refs, num_returns=1, timeout=timeout)
+        if done and rest:
+            done += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+        return [self._ended(self._calls.pop(ref), ref) for ref in done]
+
+    def _ended(self, k: int, ref: Any) -> Event:
+        slot = self.slots[k]
+        slot.ref = None
+        try:
+            value = ray.get(ref)
+        except RayActorError as exc:
+            return Event("lost", k, f"{self.name(k)} was lost: {cause_of(exc)}")
+        except Exception as exc:
+            if slot.state is SlotState.STARTING:
+                return Event("failed", k, f"{self.name(k)} failed to start: {first_line(exc)}")
+            if slot.state is SlotState.CLOSING:
+                return Event("closed", k)
+            add_note(exc, f"in shmvec {self.name(k)}")
+            raise
+        if slot.state is SlotState.STARTING:
+            return Event("started", k, value)
+        if slot.state is SlotState.CLOSING:
+            return Event("closed", k)
+        return Event("rows", k, value)
+
+    # -------------------------------------------------------------- changes
+
+    def started(self, k: int, description: dict[str, Any]) -> None:
+        slot = self.slots[k]
+        slot.state, slot.node_id, slot.reason = SlotState.LIVE, description["node_id"], ""
+        logger.info("%s runs envs %s", self.name(k), slot.block)
+        self.ask(k)
+
+    def lost(self, k: int, reason: str) -> bool:
+        """Slot ``k``'s agent died; True if it is started again (not after a drain)."""
+        slot = self.slots[k]
+        drained = slot.state in (SlotState.DRAINING, SlotState.CLOSING)
+        self.vacate(k, reason)
+        if not drained and slot.restarts < self.restarts:
+            slot.restarts += 1
+            logger.error("%s; starting it again (%d of %d)", reason, slot.restarts, self.restarts)
+            self._create(k)
+            slot.reason = f"{reason}; it is starting again"
+            return True
+        logger.error("%s; its envs leave the pool", reason)
+        return False
+
+    def vacate(self, k: int, reason: str) -> None:
+        """Slot ``k`` has no agent any more (lost, or it could not create its envs)."""
+        slot = self.slots[k]
+        self._forget(k)
+        with contextlib.suppress(Exception):
+            ray.kill(slot.actor)
+        slot.actor, slot.reason, slot.state = None, reason, SlotState.VACANT
+
+    def select(self, agents: Any, node_id: str | None) -> list[int]:
+        """The slots that ``agents`` (an index or several) or ``node_id`` name."""
+        if node_id is not None:
+            chosen = [k for k, slot in enumerate(self.slots) if slot.node_id == node_id]
+            if not chosen:
+                nodes = [slot.node_id for slot in self.slots]
+                raise ValueError(f"no agent runs on node {node_id} (agents' nodes: {nodes})")
+            return chosen
+        chosen = [agents] if isinstance(agents, int) else list(agents or ())
+        for k in chosen:
+            if not 0 <= k < len(self.slots):
+                raise ValueError(f"agent {k} does not exist (num_agents={len(self.slots)})")
+        return chosen
+
+    def drain(self, k: int, deadline: float) -> None:
+        """Slot ``k`` takes no new work, if it is live; it closes once its envs are idle."""
+        slot = self.slots[k]
+        if slot.state is SlotState.LIVE:
+            slot.state, slot.reason = SlotState.DRAINING, f"{self.name(k)} was drained"
+            slot.drain_deadline = deadline
+
+    def close(self, k: int) -> None:
+        """Closes a drained slot's envs; its agent is killed when they are closed."""
+        slot = self.slots[k]
+        self._forget(k)  # its ready call returns empty as the envs close
+        slot.state = SlotState.CLOSING
+        self._call(k, slot.actor.close.remote())
+
+    def closed(self, k: int) -> None:
+        slot = self.slots[k]
+        with contextlib.suppress(Exception):
+            ray.kill(slot.actor)
+        slot.actor, slot.state = None, SlotState.VACANT
+
+    def _forget(self, k: int) -> None:
+        slot = self.slots[k]
+        if slot.ref is not None:
+            self._calls.pop(slot.ref, None)
+            slot.ref = None
+
+    def shut(self, grace_s: float | None) -> None:
+        """Closes every agent's envs (``grace_s`` s, None: none) and kills every agent."""
+        self._calls.clear()
+        if grace_s is not None:
+            closing = [actor.close.remote() for _, actor in self.live()]
+            ray.wait(closing, num_returns=len(closing), timeout=grace_s)
+        for slot in self.slots:
+            with contextlib.suppress(Exception):  # already gone, or Ray shut down
+                if slot.actor is not None:
+                    ray.kill(slot.actor)
+            slot.actor, slot.state, slot.ref = None, SlotState.VACANT, None
+
+
+def first_line(exc: BaseException) -> str:
+    """The first and last lines of an error raised inside an agent."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()] or [""]
+    return lines[0] if lines[0] == lines[-1] else f"{lines[0]} ... {lines[-1]}"
+
+
+def cause_of(exc: BaseException) -> str:
+    """The last line of a Ray error, or of the error inside it."""
+    cause = getattr(exc, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else exc).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}".strip()
