@@ -16,7 +16,9 @@ import time
 
 import numpy as np
 import pytest
+from helpers import assert_same
 from rollout_envs import TaskEnv, obs_policy
+from test_info_values import RandomInfoEnv, alone
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -125,6 +127,37 @@ def test_awaitable_envs_over_the_cluster(cluster):
             replay(traj, TaskEnv)
     finally:
         envs.close()
+
+
+def test_awaited_infos_over_the_cluster_are_the_envs_own(cluster):
+    """Python scalars stay Python scalars across Ray: each awaited step's info equals the
+    env's own, stepped alone (``RandomInfoEnv`` draws numpy and Python values)."""
+    envs = ClusterVectorEnv([RandomInfoEnv] * 4, num_agents=2, node_ids=node_ids(cluster)[:2],
+                            batch_size=2)  # fmt: skip
+
+    async def episode(pool, seed: int):
+        async with pool.env() as env:
+            _, reset_info = await env.reset(seed=seed)
+            steps, actions, done = [], [], False
+            while not done:
+                actions.append(seed % 3)
+                steps.append(await env.step(actions[-1]))
+                done = steps[-1][2] or steps[-1][3]
+            return reset_info, steps, actions
+
+    async def main():
+        async with AwaitableEnvs(envs) as pool:
+            return await asyncio.gather(*(episode(pool, 300 + k) for k in range(8)))
+
+    try:
+        runs = asyncio.run(main())
+    finally:
+        envs.close()
+    for k, (reset_info, steps, actions) in enumerate(runs):
+        want_reset, want_steps = alone(300 + k, actions)
+        assert_same(reset_info, want_reset, "reset info")
+        for t, (got, want) in enumerate(zip(steps, want_steps)):
+            assert_same(got[4], want[4], f"task {k} step {t} info")
 
 
 def test_an_env_factory_that_fails_names_its_agent_and_node(cluster):

@@ -5,7 +5,8 @@ blocks (``step``, or ``recv`` of whole actor batches): for PPO-style loops.
 ``ClusterVectorEnv`` is one async-mode vector env over ``NodeAgent`` actors, one per
 node, that serve each env's result as soon as it is in: for ``Rollouts`` and
 ``AwaitableEnvs``, which run on it by their constructor alone; a lost node's envs end
-as ``node_lost`` results and take no more work (docs/guides/ray.md).
+as ``node_lost`` results, its agent starts again where Ray can place it, and agents join
+as nodes do and leave by ``drain`` (docs/guides/ray.md).
 
 Example:
     >>> import numpy as np

@@ -29,6 +29,7 @@ import numpy as np
 import ray
 from gymnasium.vector.vector_env import AutoresetMode
 
+from shmvec.batching import infos_by_row
 from shmvec.vector_env import ShmVectorEnv
 
 #: The infos key (with its ``_node_lost`` mask) of the rows of envs whose node agent was lost.
@@ -153,8 +154,10 @@ class NodeAgent:
 
     def ready(self, timeout_s: float) -> tuple | None:
         """The rows that are in, as soon as one is (and up to ``coalesce_s`` for
-        more): ``(obs, rewards, terminations, truncations, infos)`` with
-        ``infos["env_id"]`` the agent's local ids; None if none came in ``timeout_s``."""
+        more): ``((obs, rewards, terminations, truncations, infos), row_infos)`` with
+        ``infos["env_id"]`` the agent's local ids and ``row_infos`` each row's info as
+        its env returned it (None when no row has one); None if none came in
+        ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._queued:
@@ -181,7 +184,15 @@ class NodeAgent:
                         return None
                     continue
             self.in_flight -= len(result[1])
-            return result
+            return result, self._row_infos(result[4], len(result[1]))
+
+    def _row_infos(self, infos: dict, rows: int) -> list[dict] | None:
+        """Each row's info as its env returned it (Python scalars stay Python scalars)."""
+        if not infos.keys() - {"env_id"}:
+            return None
+        assert self.envs is not None
+        by_row = infos_by_row(self.envs, infos)
+        return [by_row.info(i, skip=frozenset({"env_id"})) for i in range(rows)]
 
     # ------------------------------------------------------------- call & co
 

@@ -32,6 +32,7 @@ from gymnasium.vector.vector_env import AutoresetMode
 from shmvec.batching import (
     ARRAY_SPACES,
     Options,
+    RowInfos,
     Seeds,
     VectorEnvBase,
     check_env_ids,
@@ -162,6 +163,7 @@ class ClusterVectorEnv(VectorEnvBase):
         self.lost_agents: dict[int, str] = {}
         #: The envs that take no new work: their agent was lost or drained, or is starting.
         self.lost_env_ids: frozenset[int] = frozenset(range(self.num_envs))
+        self._row_infos: RowInfos | None = None
         self._drains: deque[tuple[int, float]] = deque()  # (agent, deadline): drain() asked
         self._results = 0
         self._started = time.perf_counter()
@@ -184,8 +186,7 @@ class ClusterVectorEnv(VectorEnvBase):
         self.closed = False
 
     def _start_up(self, min_agents: int) -> None:
-        """Waits for ``min_agents`` agents' envs; a failure to create them is a RuntimeError
-        naming the agent and its node."""
+        """Waits for ``min_agents`` agents' envs (RuntimeErrors name an agent that fails)."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         members = self._members
         while len(members.in_state(SlotState.LIVE)) < min_agents:
@@ -319,9 +320,8 @@ class ClusterVectorEnv(VectorEnvBase):
         return self._take(need)
 
     def update_agents(self, timeout: float = 0.0) -> None:
-        """Takes in what the agents did (rows, starts, losses, drains) within
-        ``timeout`` s, without returning rows: for a caller with nothing in flight
-        that waits for envs to join (``AwaitableEnvs``, ``Rollouts`` call it)."""
+        """Takes in what the agents did (rows, starts, losses, drains) within ``timeout``
+        s, for a caller with nothing in flight (``AwaitableEnvs``, ``Rollouts`` call it)."""
         self._assert_is_running()
         self._poll(timeout)
 
@@ -336,8 +336,9 @@ class ClusterVectorEnv(VectorEnvBase):
         if event.kind == "rows":
             members.ask(k)
             if event.value is not None:
-                ids = event.value[4].pop("env_id") + self.blocks[k].start
-                self._envs.rows_in(event.value, ids)
+                batch, row_infos = event.value
+                ids = batch[4].pop("env_id") + self.blocks[k].start
+                self._envs.rows_in(batch, ids, row_infos)
         elif event.kind == "started":
             self._join(k, event.value)
         elif event.kind == "lost":
@@ -371,17 +372,23 @@ class ClusterVectorEnv(VectorEnvBase):
         self._members.started(k, described)
 
     def _take(self, need: int) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        (obs, rewards, terminations, truncations, infos), env_ids = self._envs.take(need)
+        (obs, rewards, terminations, truncations, infos), env_ids, rows = self._envs.take(need)
+        items = [] if rows is None else [(i, [info]) for i, info in enumerate(rows) if info]
+        self._row_infos = RowInfos(infos, items)
         infos["env_id"] = env_ids
         self._last_env_ids = env_ids
         self._results += len(env_ids)
         return obs, rewards, terminations, truncations, infos
 
+    def row_infos(self) -> RowInfos | None:
+        """The last ``recv``'s infos row by row, as each env returned them (``RowInfos``;
+        Python scalars stay Python scalars): ``AwaitableEnvs`` and ``Rollouts`` read them."""
+        return self._row_infos
+
     # ------------------------------------------------------ lost and drained
 
     def _lose(self, k: int, reason: str) -> None:
-        """Agent ``k`` died: its envs with a command in flight get their ``node_lost``
-        rows now; every env of its block must be reset on its next agent."""
+        """Agent ``k`` died: its running envs get ``node_lost`` rows; all are stale."""
         self.lost_agents[k] = reason
         self._envs.lose(np.arange(self.blocks[k].start, self.blocks[k].stop), reason)
 
@@ -407,8 +414,7 @@ class ClusterVectorEnv(VectorEnvBase):
         return chosen
 
     def _check_drains(self) -> None:
-        """Starts the drains asked for; closes each draining agent whose envs are idle,
-        or whose time is up."""
+        """Starts the drains asked for; closes the drained agents whose envs are done."""
         while self._drains:
             self._members.drain(*self._drains.popleft())
             self._refresh_lost()
@@ -422,8 +428,7 @@ class ClusterVectorEnv(VectorEnvBase):
 
     def _refresh_lost(self) -> None:
         lost = self._members.unavailable()
-        if lost != self.lost_env_ids:
-            self.lost_env_ids = lost
+        self.lost_env_ids = self.lost_env_ids if lost == self.lost_env_ids else lost
 
     # ------------------------------------------------------------- call & co
 
@@ -432,23 +437,13 @@ class ClusterVectorEnv(VectorEnvBase):
         (None for the envs without a live agent)."""
         self._assert_is_running()
         self._envs.assert_idle("call")
-        refs = {k: a.call.remote(name, args, kwargs) for k, a in self._members.live()}
-        out: list[Any] = []
-        for k, rows in enumerate(self.blocks):
-            out += list(ray.get(refs[k])) if k in refs else [None] * len(rows)
-        return tuple(out)
+        return tuple(self._members.call(name, args, kwargs))
 
     def set_attr(self, name: str, values: list[Any] | tuple[Any, ...] | Any) -> None:
         """Sets ``name`` in every env of a live agent: one value each, or one for all."""
         self._assert_is_running()
         self._envs.assert_idle("set_attr")
-        values = self._attr_values(values)
-        ray.get(
-            [
-                a.set_attr.remote(name, list(values[self.blocks[k].start : self.blocks[k].stop]))
-                for k, a in self._members.live()
-            ]
-        )
+        self._members.set_attr(name, list(self._attr_values(values)))
 
     def stats(self) -> dict[str, Any]:
         """Results returned and per second since construction; each agent's state and why

@@ -23,32 +23,43 @@ __all__ = ["EnvStates", "ReadyRows"]
 
 
 class ReadyRows:
-    """The rows the agents sent that ``recv`` has not returned yet, in arrival order."""
+    """The rows the agents sent that ``recv`` has not returned yet, in arrival order, with
+    each row's info as its env returned it (None for a part whose rows have none)."""
 
     def __init__(self, space: gym.Space) -> None:
         self.space = space
-        self.batches: deque[tuple[StepBatch, np.ndarray]] = deque()  # (batch, global env ids)
+        # (batch, global env ids, row infos or None)
+        self.batches: deque[tuple[StepBatch, np.ndarray, list[dict] | None]] = deque()
         self.count = 0
 
-    def add(self, batch: StepBatch, env_ids: np.ndarray) -> None:
-        self.batches.append((batch, env_ids))
+    def add(self, batch: StepBatch, env_ids: np.ndarray, infos: list[dict] | None) -> None:
+        self.batches.append((batch, env_ids, infos))
         self.count += len(env_ids)
 
-    def take(self, need: int) -> tuple[StepBatch, np.ndarray]:
-        """The first ``need`` rows (fewer if fewer are in) and their env ids."""
-        batches, id_parts, taken = [], [], 0
+    def take(self, need: int) -> tuple[StepBatch, np.ndarray, list[dict] | None]:
+        """The first ``need`` rows (fewer if fewer are in), their env ids and infos."""
+        batches, id_parts, info_parts, taken = [], [], [], 0
         while self.batches and taken < need:
-            batch, ids = self.batches.popleft()
+            batch, ids, infos = self.batches.popleft()
             if taken + len(ids) > need:
                 cut, rows = need - taken, np.arange(len(ids))
                 rest = select_step_rows(self.space, batch, rows[cut:])
-                self.batches.appendleft((rest, ids[cut:]))
+                self.batches.appendleft((rest, ids[cut:], None if infos is None else infos[cut:]))
                 batch, ids = select_step_rows(self.space, batch, rows[:cut]), ids[:cut]
+                infos = None if infos is None else infos[:cut]
             batches.append(batch)
             id_parts.append(ids)
+            info_parts.append(infos)
             taken += len(ids)
         self.count -= taken
-        return join_step_batches(self.space, batches), np.concatenate(id_parts)
+        row_infos = None
+        if any(part is not None for part in info_parts):
+            row_infos = [
+                info
+                for part, ids in zip(info_parts, id_parts)
+                for info in (part if part is not None else [{}] * len(ids))
+            ]
+        return join_step_batches(self.space, batches), np.concatenate(id_parts), row_infos
 
 
 class EnvStates:
@@ -93,12 +104,12 @@ class EnvStates:
         if reset:
             self.was_reset[ids], self.stale[ids], self.open[ids] = True, False, True
 
-    def rows_in(self, batch: StepBatch, ids: np.ndarray) -> None:
-        """An agent's rows of envs ``ids`` (global)."""
+    def rows_in(self, batch: StepBatch, ids: np.ndarray, infos: list[dict] | None) -> None:
+        """An agent's rows of envs ``ids`` (global), and their infos."""
         assert self.rows is not None
         self.answered[ids] = True
         self.open[ids] = ~(batch[2] | batch[3])
-        self.rows.add(batch, ids)
+        self.rows.add(batch, ids, infos)
 
     def lost_rows(self, ids: np.ndarray, reason: str) -> None:
         """Buffers a ``node_lost`` row (truncated, zero observation) for each env of ``ids``."""
@@ -109,7 +120,7 @@ class EnvStates:
         batch = (obs, np.zeros(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), infos)
         self.answered[ids] = True
         self.open[ids], self.stale[ids] = False, True
-        self.rows.add(batch, ids)
+        self.rows.add(batch, ids, [{NODE_LOST: reason} for _ in range(n)])
 
     def running(self, ids: np.ndarray) -> np.ndarray:
         """Those of ``ids`` whose command runs on their agent (no row buffered yet)."""
@@ -126,9 +137,9 @@ class EnvStates:
         """Whether any of ``ids`` is in an episode or runs a command."""
         return bool(self.open[ids].any() or len(self.running(ids)))
 
-    def take(self, need: int) -> tuple[StepBatch, np.ndarray]:
+    def take(self, need: int) -> tuple[StepBatch, np.ndarray, list[dict] | None]:
         assert self.rows is not None
-        batch, env_ids = self.rows.take(need)
+        batch, env_ids, infos = self.rows.take(need)
         self.in_flight[env_ids] = False
         self.answered[env_ids] = False
-        return batch, env_ids
+        return batch, env_ids, infos

@@ -260,6 +260,23 @@ class Members:
             self._calls.pop(slot.ref, None)
             slot.ref = None
 
+    def call(self, name: str, args: tuple, kwargs: dict) -> list[Any]:
+        """``name`` called (or read) in every env of a live agent; None for the others."""
+        refs = {k: actor.call.remote(name, args, kwargs) for k, actor in self.live()}
+        out: list[Any] = []
+        for k, slot in enumerate(self.slots):
+            out += list(ray.get(refs[k])) if k in refs else [None] * len(slot.block)
+        return out
+
+    def set_attr(self, name: str, values: list[Any]) -> None:
+        """Sets ``name`` to ``values[i]`` in each env ``i`` of a live agent."""
+        blocks = [self.slots[k].block for k, _ in self.live()]
+        calls = [
+            actor.set_attr.remote(name, values[block.start : block.stop])
+            for (_, actor), block in zip(self.live(), blocks)
+        ]
+        ray.get(calls)
+
     def shut(self, grace_s: float | None) -> None:
         """Closes every agent's envs (``grace_s`` s, None: none) and kills every agent."""
         self._calls.clear()
