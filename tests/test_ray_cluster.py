@@ -170,9 +170,10 @@ def test_an_env_factory_that_fails_names_its_agent_and_node(cluster):
 
 
 def test_a_killed_agent_ends_its_running_envs_and_answers_more_work_with_node_lost(cluster):
-    envs = make_cluster_env(
-        cluster, agents=2, env_fn=functools.partial(TaskEnv, max_len=50), agent_restarts=0
-    )
+    fast = functools.partial(TaskEnv, max_len=50)
+    slow = functools.partial(TaskEnv, max_len=50, hang_rate=1.0, hang_s=5.0)  # steps hang
+    envs = ClusterVectorEnv([fast, fast, slow, slow], num_agents=2, batch_size=2,
+                            node_ids=node_ids(cluster)[:2], agent_restarts=0)  # fmt: skip
     try:
         envs.async_reset(seed=0)
         for _ in range(2):

@@ -1,20 +1,23 @@
 """NodeAgent: the Ray actor that runs one node's envs of a ClusterVectorEnv, a
-node-local ``ShmVectorEnv`` in async mode whose results it serves as each env
+node-local ``ShmVectorEnv`` in async mode whose results it sends as each env
 finishes, coalesced for at most ``coalesce_s``, with failures already reported as
 result infos (``env_error``, ``worker_restarted``), as a local ShmVectorEnv gives them.
 
-Data flow: ``send``/``async_reset`` queue a command and return at once; the thread
-in ``ready`` applies the queued commands between its waits (within ``coalesce_s``)
-and returns the rows that are in. Ray runs the agent as a threaded actor, so a
-command never waits for a ``ready`` call to end; the driver keeps one ``ready``
-call outstanding per agent, so rows never wait for the driver to ask.
+Data flow: the driver connects to the agent's channel (``channel.py``; its address is
+in ``describe()``). The reader thread queues each ``Reset``/``Step`` that arrives; the
+pump thread applies the queued commands between its waits (within ``coalesce_s``) and
+sends the rows that are in as ``Rows`` (a failed command as ``AgentFailure``). The
+driver's outstanding ``serve`` call ends only when the agent closes: if the actor or
+its node dies, Ray fails it, and the driver knows.
 
 Who may call what: any Ray thread may call any method; the ShmVectorEnv is used
-under ``_env_lock`` only, by one thread at a time.
+under ``_env_lock`` only, by one thread at a time; the channel is read by the reader
+thread and written by the pump.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -22,14 +25,16 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 import gymnasium as gym
-import numpy as np
 import ray
 from gymnasium.vector.vector_env import AutoresetMode
 
 from shmvec.batching import infos_by_row
+from shmvec.ray.channel import AgentFailure, Reset, Rows, no_delay
 from shmvec.vector_env import ShmVectorEnv
 
 #: The infos key (with its ``_node_lost`` mask) of the rows of envs whose node agent was lost.
@@ -38,8 +43,10 @@ NODE_LOST = "node_lost"
 #: result waits on its node for other results to travel with it. Each Ray call costs
 #: ~0.5-1 ms (Ray's microbenchmarks), so a row alone per call would cost more than this.
 COALESCE_S = 0.002
-#: Ray threads of one agent: one ``ready``, commands, and ``call``/``describe``/``close``.
+#: Ray threads of one agent: ``serve``, and ``call``/``describe``/``close``/``stats``.
 AGENT_CONCURRENCY = 4
+#: How long the pump's ``ready`` waits for a row before it looks at the closed flag.
+PUMP_WAIT_S = 0.5
 
 
 class NodeAgent:
@@ -66,6 +73,7 @@ class NodeAgent:
         autoreset_mode: AutoresetMode,
         vector_kwargs: dict[str, Any],
         coalesce_s: float = COALESCE_S,
+        authkey: bytes = b"",
     ) -> None:
         self.index = index
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -78,6 +86,10 @@ class NodeAgent:
         self._error: BaseException | None = None  # a command that failed, raised by ready()
         self.start_error: str | None = None
         self.envs: ShmVectorEnv | None = None
+        self._closed = threading.Event()  # close() was called: serve() returns
+        self._listener = Listener((ray.util.get_node_ip_address(), 0), authkey=authkey)
+        self._conn: Connection | None = None
+        threading.Thread(target=self._accept, name="shmvec-agent-accept", daemon=True).start()
         try:
             self.envs = ShmVectorEnv(
                 env_fns,
@@ -107,22 +119,61 @@ class NodeAgent:
             "render_mode": self.envs.render_mode,
             "node_id": self.node_id,
             "pid": os.getpid(),
+            "address": self._listener.address,
         }
+
+    def serve(self) -> None:
+        """Returns once the agent is closed: the driver keeps this call outstanding,
+        and Ray fails it when the actor or its node dies."""
+        self._closed.wait()
+
+    # ---------------------------------------------------------------- channel
+
+    def _accept(self) -> None:
+        """Takes the driver's connection; then reads its commands (this thread) and
+        starts the pump."""
+        try:
+            conn = no_delay(self._listener.accept())
+        except (OSError, EOFError, AuthenticationError):
+            return  # closed before the driver connected, or a stranger
+        self._conn = conn
+        threading.Thread(target=self._pump, name="shmvec-agent-pump", daemon=True).start()
+        while not self._closed.is_set():
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break  # the driver closed the channel
+            if isinstance(message, Reset):
+                self._queue(("reset", message.seeds, message.options, message.env_ids))
+            else:
+                self._queue(("step", message.actions, message.env_ids))
+        self._closed.set()
+        self._queue(None)  # wakes the pump
+
+    def _pump(self) -> None:
+        """Sends each batch of rows as it is in, until the agent closes."""
+        conn = self._conn
+        assert conn is not None
+        while not self._closed.is_set():
+            try:
+                rows = self.ready(PUMP_WAIT_S)
+            except Exception as exc:  # noqa: BLE001 - the driver raises it
+                out: Rows | AgentFailure | None = AgentFailure(exc)
+            else:
+                out = None if rows is None else Rows(*rows)
+            if out is not None:
+                try:
+                    conn.send(out)
+                except OSError:
+                    return
 
     # --------------------------------------------------------------- commands
 
-    def async_reset(self, seeds: list, options: Any, local_ids: np.ndarray) -> None:
-        """Queues a reset of envs ``local_ids``: ``seeds[i]`` (and ``options[i]``, or
-        ``options`` for all) for env ``local_ids[i]``."""
-        self._queue(("reset", seeds, options, local_ids))
-
-    def send(self, actions: Any, local_ids: np.ndarray) -> None:
-        """Queues ``actions[i]`` for env ``local_ids[i]``."""
-        self._queue(("step", actions, local_ids))
-
-    def _queue(self, command: tuple) -> None:
+    def _queue(self, command: tuple | None) -> None:
+        """Queues a command for the pump (None: only wakes it)."""
         with self._queued:
-            self._commands.append(command)
+            if command is not None:
+                self._commands.append(command)
             self._queued.notify()
 
     def _apply(self, commands: list[tuple]) -> None:
@@ -209,10 +260,17 @@ class NodeAgent:
             return self.envs.stats() if self.envs is not None else {}
 
     def close(self) -> None:
-        """Closes the envs (the driver then ends the actor)."""
+        """Closes the envs and the channel (the driver then ends the actor)."""
+        self._closed.set()
+        self._queue(None)
         with self._env_lock:
             if self.envs is not None:
                 self.envs.close()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
 
 
 RemoteNodeAgent = ray.remote(NodeAgent)  # options(max_concurrency=AGENT_CONCURRENCY)

@@ -2,15 +2,16 @@
 
 Agent slot ``k`` (``members.Members``; a ``NodeAgent`` per node or group of CPUs) holds
 the contiguous envs ``blocks[k]``. ``send``/``async_reset`` route each env's command to
-its agent; the driver keeps one call outstanding per slot and ``ray.wait``s on those (at
-most one reference per slot: the driver's work grows with the results, not with the
-envs), so ``recv`` returns each env's row as soon as its agent sent it, from whichever
-node. The envs of a slot without a live agent (lost, drained, not started yet) take no
-new work (``lost_env_ids``): each command to them is answered by a row with
-``infos["node_lost"]``, and so is each command in flight when their agent was lost.
-A lost agent is started again where Ray can place it; its envs come back, fresh.
+its agent over the agent's channel (``channel.py``: a direct TCP connection set up through
+Ray), and each agent sends each env's row back on it as soon as it is in, so ``recv``
+returns rows from whichever node as they arrive; the driver waits on one socket and one
+Ray reference per slot, so its work grows with the results, not with the envs. The envs
+of a slot without a live agent (lost, drained, not started yet) take no new work
+(``lost_env_ids``): each command to them is answered by a row with ``infos["node_lost"]``,
+and so is each command in flight when their agent was lost. A lost agent is started
+again where Ray can place it; its envs come back, fresh.
 
-Methods may be called from one thread at a time (the driver's).
+Methods may be called from one thread at a time (the driver's), but ``drain``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from shmvec.batching import (
 )
 from shmvec.ray.agent import COALESCE_S
 from shmvec.ray.blocks import actor_env_fns
+from shmvec.ray.channel import Reset, Step
 from shmvec.ray.env_states import EnvStates, ReadyRows
 from shmvec.ray.members import Event, Members, SlotState
 
@@ -50,10 +52,6 @@ __all__ = ["ClusterVectorEnv"]
 
 logger = logging.getLogger("shmvec")
 
-#: How long one ``ready`` call waits for a row before it returns empty: an idle agent's
-#: heartbeat, so that a lost agent is noticed within this plus Ray's death detection
-#: even while none of its envs runs. One empty call a second per idle agent costs nothing.
-READY_TIMEOUT_S = 1.0
 #: How long the constructor waits for its first ``min_agents`` agents.
 STARTUP_TIMEOUT_S = 120.0
 #: How long ``close()`` gives the agents to close their envs before killing them.
@@ -108,8 +106,6 @@ class ClusterVectorEnv(VectorEnvBase):
         agent_options: extra ``ActorClass.options(...)`` (``resources``, ``runtime_env``).
         vector_kwargs: keyword arguments of each agent's ShmVectorEnv.
         env_kwargs: keyword arguments of ``gym.make`` when ``env_fns`` is an env id.
-        ready_timeout_s: how long an agent's ``ready`` call waits before it returns
-            empty (the heartbeat of an idle agent).
         coalesce_s: how long an agent waits, once a row is in, for more to send with it.
     """
 
@@ -131,7 +127,6 @@ class ClusterVectorEnv(VectorEnvBase):
         agent_options: dict[str, Any] | None = None,
         vector_kwargs: dict[str, Any] | None = None,
         env_kwargs: dict[str, Any] | None = None,
-        ready_timeout_s: float = READY_TIMEOUT_S,
         coalesce_s: float = COALESCE_S,
     ) -> None:
         self.closed = True  # until the agents are up; close() is then a no-op
@@ -176,7 +171,7 @@ class ClusterVectorEnv(VectorEnvBase):
         options = {"num_cpus": num_cpus_per_agent, **(agent_options or {})}
         self._members = Members(
             fns, self.blocks, (self.autoreset_mode, vector_kwargs, coalesce_s), options,
-            None if node_ids is None else list(node_ids), agent_restarts, ready_timeout_s,
+            None if node_ids is None else list(node_ids), agent_restarts,
         )  # fmt: skip
         try:
             self._start_up(min_agents)
@@ -240,8 +235,7 @@ class ClusterVectorEnv(VectorEnvBase):
         for k, local in self._route(ids, reset=True):
             global_ids = local + self.blocks[k].start
             opts = options if per_env is None else [per_env[e] for e in global_ids.tolist()]
-            actor = self._members.slots[k].actor
-            actor.async_reset.remote([seeds[e] for e in global_ids.tolist()], opts, local)
+            self._members.send(k, Reset([seeds[e] for e in global_ids.tolist()], opts, local))
 
     def _send(self, actions: Any, env_ids: Any) -> None:
         """Hands ``actions[i]`` to env ``env_ids[i]`` (default: the last ``recv``'s)."""
@@ -257,8 +251,7 @@ class ClusterVectorEnv(VectorEnvBase):
         position[ids] = np.arange(len(ids))
         for k, local in self._route(ids, reset=False):
             rows = position[local + self.blocks[k].start]
-            actor = self._members.slots[k].actor
-            actor.send.remote(take_rows(self.single_action_space, actions, rows), local)
+            self._members.send(k, Step(take_rows(self.single_action_space, actions, rows), local))
 
     def _route(self, ids: np.ndarray, reset: bool) -> list[tuple[int, np.ndarray]]:
         """Checks that ``ids`` await a command and marks them in flight; answers with a
@@ -334,8 +327,7 @@ class ClusterVectorEnv(VectorEnvBase):
     def _handle(self, event: Event) -> None:
         k, members = event.agent, self._members
         if event.kind == "rows":
-            members.ask(k)
-            if event.value is not None:
+            if members.state(k) in (SlotState.LIVE, SlotState.DRAINING):
                 batch, row_infos = event.value
                 ids = batch[4].pop("env_id") + self.blocks[k].start
                 self._envs.rows_in(batch, ids, row_infos)

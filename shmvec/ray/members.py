@@ -1,12 +1,15 @@
 """The node agents of one ClusterVectorEnv as slots: each slot holds one block of env ids
-and, at any time, at most one agent and one outstanding call of it, so the driver waits on
-at most one reference per slot.
+and, at any time, at most one agent, its channel (``channel.py``: commands and rows) and
+one outstanding Ray call of it (``describe`` while it starts, ``serve`` while it runs,
+``close`` while it closes), so the driver waits on one socket and one reference per slot.
 
 A slot is ``starting`` (its actor is created, or waits for Ray to find it a node: a node
 that joins the cluster gets it), ``live``, ``draining`` (no new work; it closes once its
 envs are idle), ``closing`` or ``vacant`` (lost or drained, and not re-created). A slot
 whose agent dies is started again, up to ``restarts`` times, wherever Ray can place it.
-``Members.wait`` turns the calls that ended into events for the vector env.
+``Members.wait`` turns the rows that came in and the calls that ended into events for the
+vector env. A dead agent's process closes its channel (seen at once); a lost node fails
+its ``serve`` call (seen within ``RAY_CHECK_S`` of Ray's notice).
 
 Methods may be called from one thread at a time (the driver's).
 """
@@ -16,8 +19,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import wait as wait_for_channels
 from typing import Any
 
 import gymnasium as gym
@@ -28,10 +35,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from shmvec.errors import add_note
 from shmvec.ray.agent import AGENT_CONCURRENCY, RemoteNodeAgent
+from shmvec.ray.channel import AgentFailure, Rows, no_delay
 
 __all__ = ["Event", "Members", "SlotState"]
 
 logger = logging.getLogger("shmvec")
+
+#: How often the driver looks at the agents' Ray calls while rows come in on their channels
+#: (a started agent, a lost node): one ``ray.wait`` of ~50-100 us every 50 ms.
+RAY_CHECK_S = 0.05
 
 
 class SlotState(enum.Enum):
@@ -48,7 +60,8 @@ class Slot:
     strategy: Any  # the scheduling strategy of its first agent
     state: SlotState = SlotState.STARTING
     actor: Any = None
-    ref: Any = None  # describe (starting), ready (live, draining) or close (closing)
+    conn: Connection | None = None  # its channel, while live or draining
+    ref: Any = None  # describe (starting), serve (live, draining) or close (closing)
     node_id: str = ""
     restarts: int = 0
     #: Why its envs take no work now (starting, lost, drained), for their ``node_lost`` rows.
@@ -58,8 +71,8 @@ class Slot:
 
 @dataclass
 class Event:
-    """What one ended call says: ``kind`` is ``"rows"`` (``value``: the batch a ``ready``
-    call returned, or None), ``"started"`` (``value``: the agent's description),
+    """What the agents said: ``kind`` is ``"rows"`` (``value``: ``(batch, row_infos)``
+    from the channel), ``"started"`` (``value``: the agent's description),
     ``"lost"`` (the agent died; ``value``: why), ``"failed"`` (it could not create its
     envs; ``value``: why) or ``"closed"``."""
 
@@ -79,8 +92,6 @@ class Members:
         node_ids: pin slot ``k``'s first agent to ``node_ids[k]`` (its restarts
             prefer that node and go elsewhere when it is gone); None: ``"SPREAD"``.
         restarts: how many times a slot's agent is started again after it died.
-        ready_timeout_s: how long a ``ready`` call waits for a row (an idle
-            agent's heartbeat).
     """
 
     def __init__(
@@ -91,11 +102,12 @@ class Members:
         options: dict[str, Any],
         node_ids: list[str] | None,
         restarts: int,
-        ready_timeout_s: float,
     ) -> None:
         self.env_fns, self.agent_args = env_fns, agent_args
         self.options = {"max_concurrency": AGENT_CONCURRENCY, **options}
-        self.restarts, self.ready_timeout_s = restarts, ready_timeout_s
+        self.restarts = restarts
+        self.authkey = secrets.token_bytes(32)  # the channels' HMAC key
+        self._next_check = 0.0
         pins = [None] * len(blocks) if node_ids is None else node_ids
         self.slots = [
             Slot(block, "SPREAD" if pin is None else NodeAffinitySchedulingStrategy(pin, False))
@@ -146,7 +158,7 @@ class Members:
             strategy = NodeAffinitySchedulingStrategy(strategy.node_id, soft=True)
         actor = RemoteNodeAgent.options(scheduling_strategy=strategy, **self.options)
         fns = self.env_fns[slot.block.start : slot.block.stop]
-        slot.actor = actor.remote(k, fns, *self.agent_args)
+        slot.actor = actor.remote(k, fns, *self.agent_args, self.authkey)
         slot.state, slot.node_id = SlotState.STARTING, ""
         slot.reason = f"{self.name(k)} is starting"
         self._call(k, slot.actor.describe.remote())
@@ -155,13 +167,50 @@ class Members:
         self.slots[k].ref = ref
         self._calls[ref] = k
 
-    def ask(self, k: int) -> None:
-        """Starts slot ``k``'s next ``ready`` call."""
-        self._call(k, self.slots[k].actor.ready.remote(self.ready_timeout_s))
+    def send(self, k: int, message: Any) -> None:
+        """Sends a command to slot ``k``'s agent; a dead channel is seen by ``wait``."""
+        conn = self.slots[k].conn
+        assert conn is not None
+        with contextlib.suppress(OSError):
+            conn.send(message)
 
     def wait(self, timeout: float | None) -> list[Event]:
-        """Waits up to ``timeout`` for any slot's call; the events of every call that
-        ended by then (a live slot's next ``ready`` call is started by the caller)."""
+        """Waits up to ``timeout`` (at most ``RAY_CHECK_S`` while agents run) for rows on
+        any channel or any Ray call's end; the events of what came by then."""
+        conns = {s.conn: k for k, s in enumerate(self.slots) if s.conn is not None}
+        if not conns:
+            return self._ray_events(timeout)
+        now = time.monotonic()
+        events = []
+        if now >= self._next_check:
+            self._next_check = now + RAY_CHECK_S
+            events = self._ray_events(0)
+        limit = self._next_check - now if timeout is None else min(timeout, self._next_check - now)
+        for conn in wait_for_channels(list(conns), 0 if events else max(0.0, limit)):
+            events += self._read(conns[conn])  # type: ignore[index]
+        return events
+
+    def _read(self, k: int) -> list[Event]:
+        """Every message that is in on slot ``k``'s channel."""
+        slot = self.slots[k]
+        conn = slot.conn
+        assert conn is not None
+        events = []
+        try:
+            while True:
+                message = conn.recv()
+                if isinstance(message, AgentFailure):
+                    add_note(message.error, f"in shmvec {self.name(k)}")
+                    raise message.error
+                assert isinstance(message, Rows)
+                events.append(Event("rows", k, (message.batch, message.row_infos)))
+                if not conn.poll(0):
+                    return events
+        except (EOFError, OSError):
+            reason = f"{self.name(k)} was lost: its channel closed (the agent's process ended)"
+            return [*events, Event("lost", k, reason)]
+
+    def _ray_events(self, timeout: float | None) -> list[Event]:
         refs = list(self._calls)
         if not refs:
             return []
@@ -188,15 +237,23 @@ class Members:
             return Event("started", k, value)
         if slot.state is SlotState.CLOSING:
             return Event("closed", k)
-        return Event("rows", k, value)
+        return Event("lost", k, f"{self.name(k)} was lost: it closed its channel")
 
     # -------------------------------------------------------------- changes
 
-    def started(self, k: int, description: dict[str, Any]) -> None:
+    def started(self, k: int, description: dict[str, Any]) -> bool:
+        """Slot ``k``'s agent is up: connects to its channel; False if it cannot."""
         slot = self.slots[k]
-        slot.state, slot.node_id, slot.reason = SlotState.LIVE, description["node_id"], ""
+        slot.node_id = description["node_id"]
+        try:
+            slot.conn = no_delay(Client(description["address"], authkey=self.authkey))
+        except (OSError, EOFError) as exc:
+            self.lost(k, f"{self.name(k)} was lost: its channel did not open ({exc!r})")
+            return False
+        slot.state, slot.reason = SlotState.LIVE, ""
         logger.info("%s runs envs %s", self.name(k), slot.block)
-        self.ask(k)
+        self._call(k, slot.actor.serve.remote())
+        return True
 
     def lost(self, k: int, reason: str) -> bool:
         """Slot ``k``'s agent died; True if it is started again (not after a drain)."""
@@ -216,6 +273,7 @@ class Members:
         """Slot ``k`` has no agent any more (lost, or it could not create its envs)."""
         slot = self.slots[k]
         self._forget(k)
+        self._hang_up(k)
         with contextlib.suppress(Exception):
             ray.kill(slot.actor)
         slot.actor, slot.reason, slot.state = None, reason, SlotState.VACANT
@@ -244,7 +302,8 @@ class Members:
     def close(self, k: int) -> None:
         """Closes a drained slot's envs; its agent is killed when they are closed."""
         slot = self.slots[k]
-        self._forget(k)  # its ready call returns empty as the envs close
+        self._forget(k)
+        self._hang_up(k)  # rows it still sends are not wanted: their envs were answered
         slot.state = SlotState.CLOSING
         self._call(k, slot.actor.close.remote())
 
@@ -253,6 +312,13 @@ class Members:
         with contextlib.suppress(Exception):
             ray.kill(slot.actor)
         slot.actor, slot.state = None, SlotState.VACANT
+
+    def _hang_up(self, k: int) -> None:
+        slot = self.slots[k]
+        if slot.conn is not None:
+            with contextlib.suppress(OSError):
+                slot.conn.close()
+            slot.conn = None
 
     def _forget(self, k: int) -> None:
         slot = self.slots[k]
@@ -283,7 +349,8 @@ class Members:
         if grace_s is not None:
             closing = [actor.close.remote() for _, actor in self.live()]
             ray.wait(closing, num_returns=len(closing), timeout=grace_s)
-        for slot in self.slots:
+        for k, slot in enumerate(self.slots):
+            self._hang_up(k)
             with contextlib.suppress(Exception):  # already gone, or Ray shut down
                 if slot.actor is not None:
                     ray.kill(slot.actor)
