@@ -205,10 +205,9 @@ class NodeAgent:
 
     def ready(self, timeout_s: float) -> tuple | None:
         """The rows that are in, as soon as one is (and up to ``coalesce_s`` for
-        more): ``((obs, rewards, terminations, truncations, infos), row_infos)`` with
-        ``infos["env_id"]`` the agent's local ids and ``row_infos`` each row's info as
-        its env returned it (None when no row has one); None if none came in
-        ``timeout_s``."""
+        more): ``((obs, rewards, terminations, truncations, {"env_id": ids}), row_infos)``
+        with ``ids`` the agent's local ids and ``row_infos`` each row's info as its env
+        returned it (None when no row has one); None if none came in ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._queued:
@@ -235,7 +234,10 @@ class NodeAgent:
                         return None
                     continue
             self.in_flight -= len(result[1])
-            return result, self._row_infos(result[4], len(result[1]))
+            infos = result[4]
+            row_infos = self._row_infos(infos, len(result[1]))
+            # The driver batches the infos again from the rows: only the ids travel batched.
+            return (*result[:4], {"env_id": infos["env_id"]}), row_infos
 
     def _row_infos(self, infos: dict, rows: int) -> list[dict] | None:
         """Each row's info as its env returned it (Python scalars stay Python scalars)."""

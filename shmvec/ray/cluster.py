@@ -36,6 +36,7 @@ from shmvec.batching import (
     RowInfos,
     Seeds,
     VectorEnvBase,
+    batch_infos,
     check_env_ids,
     check_rows,
     send_env_ids,
@@ -329,7 +330,7 @@ class ClusterVectorEnv(VectorEnvBase):
         if event.kind == "rows":
             if members.state(k) in (SlotState.LIVE, SlotState.DRAINING):
                 batch, row_infos = event.value
-                ids = batch[4].pop("env_id") + self.blocks[k].start
+                ids = batch[4].pop("env_id") + self.blocks[k].start  # leaves infos empty
                 self._envs.rows_in(batch, ids, row_infos)
         elif event.kind == "started":
             self._join(k, event.value)
@@ -364,8 +365,9 @@ class ClusterVectorEnv(VectorEnvBase):
         self._members.started(k, described)
 
     def _take(self, need: int) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        (obs, rewards, terminations, truncations, infos), env_ids, rows = self._envs.take(need)
+        (obs, rewards, terminations, truncations, _), env_ids, rows = self._envs.take(need)
         items = [] if rows is None else [(i, [info]) for i, info in enumerate(rows) if info]
+        infos = batch_infos(items, len(env_ids))
         self._row_infos = RowInfos(infos, items)
         infos["env_id"] = env_ids
         self._last_env_ids = env_ids

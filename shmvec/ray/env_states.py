@@ -14,7 +14,6 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import create_empty_array
 
-from shmvec.batching import batch_infos
 from shmvec.ray.agent import NODE_LOST
 from shmvec.ray.blocks import StepBatch, join_step_batches, select_step_rows
 from shmvec.ray.members import SlotState
@@ -24,7 +23,8 @@ __all__ = ["EnvStates", "ReadyRows"]
 
 class ReadyRows:
     """The rows the agents sent that ``recv`` has not returned yet, in arrival order, with
-    each row's info as its env returned it (None for a part whose rows have none)."""
+    each row's info as its env returned it (None for a part whose rows have none). The
+    batches carry no infos: ``recv`` batches them from the rows' own."""
 
     def __init__(self, space: gym.Space) -> None:
         self.space = space
@@ -116,8 +116,7 @@ class EnvStates:
         assert self.rows is not None
         n = len(ids)
         obs = create_empty_array(self.rows.space, n, fn=np.zeros)
-        infos = batch_infos([(i, [{NODE_LOST: reason}]) for i in range(n)], n)
-        batch = (obs, np.zeros(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), infos)
+        batch: StepBatch = (obs, np.zeros(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), {})
         self.answered[ids] = True
         self.open[ids], self.stale[ids] = False, True
         self.rows.add(batch, ids, [{NODE_LOST: reason} for _ in range(n)])

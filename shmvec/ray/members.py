@@ -20,11 +20,11 @@ import contextlib
 import enum
 import logging
 import secrets
+import selectors
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
-from multiprocessing.connection import wait as wait_for_channels
 from typing import Any
 
 import gymnasium as gym
@@ -108,6 +108,7 @@ class Members:
         self.restarts = restarts
         self.authkey = secrets.token_bytes(32)  # the channels' HMAC key
         self._next_check = 0.0
+        self._channels = selectors.DefaultSelector()  # each live slot's channel -> slot
         pins = [None] * len(blocks) if node_ids is None else node_ids
         self.slots = [
             Slot(block, "SPREAD" if pin is None else NodeAffinitySchedulingStrategy(pin, False))
@@ -177,8 +178,7 @@ class Members:
     def wait(self, timeout: float | None) -> list[Event]:
         """Waits up to ``timeout`` (at most ``RAY_CHECK_S`` while agents run) for rows on
         any channel or any Ray call's end; the events of what came by then."""
-        conns = {s.conn: k for k, s in enumerate(self.slots) if s.conn is not None}
-        if not conns:
+        if not self._channels.get_map():
             return self._ray_events(timeout)
         now = time.monotonic()
         events = []
@@ -186,8 +186,8 @@ class Members:
             self._next_check = now + RAY_CHECK_S
             events = self._ray_events(0)
         limit = self._next_check - now if timeout is None else min(timeout, self._next_check - now)
-        for conn in wait_for_channels(list(conns), 0 if events else max(0.0, limit)):
-            events += self._read(conns[conn])  # type: ignore[index]
+        for key, _ in self._channels.select(0 if events else max(0.0, limit)):
+            events += self._read(key.data)
         return events
 
     def _read(self, k: int) -> list[Event]:
@@ -247,6 +247,7 @@ class Members:
         slot.node_id = description["node_id"]
         try:
             slot.conn = no_delay(Client(description["address"], authkey=self.authkey))
+            self._channels.register(slot.conn, selectors.EVENT_READ, k)
         except (OSError, EOFError) as exc:
             self.lost(k, f"{self.name(k)} was lost: its channel did not open ({exc!r})")
             return False
@@ -316,6 +317,8 @@ class Members:
     def _hang_up(self, k: int) -> None:
         slot = self.slots[k]
         if slot.conn is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._channels.unregister(slot.conn)
             with contextlib.suppress(OSError):
                 slot.conn.close()
             slot.conn = None
