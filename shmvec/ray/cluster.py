@@ -440,14 +440,15 @@ class ClusterVectorEnv(VectorEnvBase):
         self._members.set_attr(name, list(self._attr_values(values)))
 
     def stats(self) -> dict[str, Any]:
-        """Results returned and per second since construction; each agent's state and why
-        the lost ones were lost."""
+        """Results returned and per second since construction; each agent's state, its
+        restarts, and why the lost ones were lost."""
         elapsed = time.perf_counter() - self._started
         return {
             "results": self._results,
             "results_per_s": self._results / elapsed if elapsed > 0 else 0.0,
             "elapsed_s": elapsed,
             "agent_states": self.agent_states,
+            "agent_restarts": [slot.restarts for slot in self._members.slots],
             "lost_agents": dict(self.lost_agents),
         }
 
