@@ -56,6 +56,8 @@ class Chaos:
         self.cluster, self.envs, self.nodes = cluster, envs, nodes
         self.kill_s, self.join_s, self.drain_s = kill_s, join_s, drain_s
         self.kills: list[float] = []  # time.monotonic() of each removal
+        self.recovery_s: list[float] = []  # from a removal to its agent live again
+        self._recovering: list[tuple[int, float]] = []  # (agent, removal time)
         self.joined_at = self.drained_at = None
         self.drained_agent: int | None = None
         self.stop = threading.Event()
@@ -67,31 +69,43 @@ class Chaos:
             start = time.monotonic()
             due = {"kill": start + self.kill_s, "join": start + self.join_s,
                    "drain": start + self.drain_s}  # fmt: skip
-            while due:
+            while not self.stop.is_set():
                 kind = min(due, key=due.get)
-                if self.stop.wait(max(due[kind] - time.monotonic(), 0.0)):
+                if self.stop.wait(min(max(due[kind] - time.monotonic(), 0.0), 0.1)):
                     return
+                self.note_recoveries()
+                if time.monotonic() < due[kind]:
+                    continue
                 if kind == "kill":
                     due[kind] += self.kill_s
-                    live = set(self.envs.agent_node_ids)
+                    agents, states = self.envs.agent_node_ids, self.envs.agent_states
+                    live = {agents[k] for k, state in enumerate(states) if state == "live"}
                     victims = [n for n in self.nodes if n.node_id in live]
                     node = chooser.choice(victims)
                     self.kills.append(time.monotonic())
+                    self._recovering.append((agents.index(node.node_id), self.kills[-1]))
                     self.cluster.remove_node(node, allow_graceful=False)
                     self.nodes.remove(node)
                     self.nodes.append(self.cluster.add_node(**NODE))
                 elif kind == "join":
-                    del due[kind]
+                    due[kind] = float("inf")
                     self.nodes.append(self.cluster.add_node(**NODE))
                     self.joined_at = time.monotonic()
                 else:
-                    del due[kind]
+                    due[kind] = float("inf")
                     states = self.envs.agent_states
                     self.drained_agent = states.index("live")
                     self.envs.drain(self.drained_agent, timeout_s=10.0)
                     self.drained_at = time.monotonic()
         except Exception as error:  # noqa: BLE001 - reported as a failed check
             self.error = repr(error)
+
+    def note_recoveries(self) -> None:
+        states = self.envs.agent_states
+        for agent, killed in list(self._recovering):
+            if states[agent] == "live":
+                self.recovery_s.append(time.monotonic() - killed)
+                self._recovering.remove((agent, killed))
 
 
 def main(argv=None) -> int:
@@ -175,8 +189,12 @@ def main(argv=None) -> int:
         trainer.join()
         wall = time.monotonic() - started
         stats = rollouts.stats()
-        cluster_stats = envs.stats()
         rollouts.close()
+        deadline = time.monotonic() + 60  # a node killed near the end: its agent's restart
+        while chaos._recovering and time.monotonic() < deadline:
+            envs.update_agents(0.1)
+            chaos.note_recoveries()
+        cluster_stats = envs.stats()
         envs.close()
         ray.shutdown()
         cluster.shutdown()
@@ -215,6 +233,7 @@ def main(argv=None) -> int:
             cluster_stats["agent_restarts"]
         )
         >= len(chaos.kills)
+        and len(chaos.recovery_s) == len(chaos.kills)
         and states.count("live") == agents - 1,
         "the waiting agent joined": joined_live,
         "the drained agent left": chaos.drained_agent is not None
@@ -234,6 +253,7 @@ def main(argv=None) -> int:
         "retried_handed_over": len(retried),
         "kills": len(chaos.kills),
         "first_batch_after_kill_s": after_kill,
+        "recovery_s": chaos.recovery_s,
         "stats": stats,
         "cluster": cluster_stats,
         "checks": checks,
@@ -244,7 +264,8 @@ def main(argv=None) -> int:
         print(("PASS " if ok else "FAIL ") + name)
     print(
         f"{len(trajectories)} trajectories in {wall:.1f} s; {len(chaos.kills)} nodes killed, "
-        f"first batch after each {[round(d, 2) for d in after_kill]} s; agents {states}; "
+        f"first batch after each {[round(d, 2) for d in after_kill]} s, agent live again after "
+        f"{[round(d, 1) for d in chaos.recovery_s]} s; agents {states}; "
         f"dropped attempts {stats['dropped']}; groups dropped {stats['groups_dropped']}; "
         f"retries {stats['retries']}"
     )
