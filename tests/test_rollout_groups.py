@@ -40,6 +40,19 @@ def test_a_failure_is_retried_from_the_same_task_up_to_max_retries():
     assert decision.cancel == [(state.current[1], Status.GROUP_DROPPED)]
 
 
+def test_a_lost_node_is_retried_without_spending_max_retries():
+    """``node_lost`` is the infrastructure's failure: retried however often it comes, and
+    the task's own failures still get their ``max_retries``."""
+    state = group(group_size=1, max_retries=1)
+    traj = state.current[0]
+    for _ in range(4):
+        (traj,) = state.fail(traj, Status.NODE_LOST, retry=True, now=1.0).launch
+    assert traj.attempt == 4 and traj.retried_after == [Status.NODE_LOST] * 4
+    (traj,) = state.fail(traj, Status.ENV_ERROR, retry=True, now=2.0).launch  # its one retry
+    decision = state.fail(traj, Status.ENV_ERROR, retry=True, now=3.0)
+    assert not decision.launch and decision.resolved and state.dropped is Status.ENV_ERROR
+
+
 def test_a_stale_failure_under_drop_is_not_retried():
     state = group(group_size=2, max_retries=5)
     decision = state.fail(state.current[1], Status.STALE, retry=False, now=1.0)

@@ -283,3 +283,24 @@ def test_a_random_schedule_keeps_every_promise(on_stale, mode):
     finally:
         rollouts.close()
         envs.close()
+
+
+def test_envs_that_leave_the_pool_take_no_task_and_take_tasks_again_when_back():
+    """``Book.set_lost`` (a cluster's ``lost_env_ids``): a lost env's running attempt goes
+    on, no attempt starts on it, and once it is back and idle it takes work again."""
+    book = Book(GroupPolicy(1), LagRule(max_lag=None), [None, None, None])
+    book.tasks.extend(Task(seed=s) for s in range(3))
+    running = dict(book.launch(0.0))
+    assert sorted(running) == [0, 1, 2]
+    book.set_lost(frozenset({1, 2}))
+    book.tasks.extend(Task(seed=s) for s in range(3, 6))
+    for env in (0, 1):  # both finish; env 1 is lost, so only env 0 is free again
+        assert book.returned(env) is running[env]
+        book.reset_done(running[env], 0.0, {})
+        assert book.answered(running[env], 1, None, 0, 0.0)
+        assert book.returned(env) is running[env]
+        book.step_done(running[env], 0.0, 1.0, True, False, {}, 0.0)
+    assert [env for env, _ in book.launch(0.0)] == [0]
+    book.set_lost(frozenset({2}))  # env 1 is back (idle); env 2 still runs its attempt
+    assert [env for env, _ in book.launch(0.0)] == [1]
+    book.check()
