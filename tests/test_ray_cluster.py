@@ -22,6 +22,7 @@ from test_info_values import RandomInfoEnv, alone
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
+pytest.importorskip("ray.util.state")
 
 from shmvec import EnvNodeLostError, ShmVectorEnv  # noqa: E402
 from shmvec.awaitable import AwaitableEnvs  # noqa: E402
@@ -406,6 +407,37 @@ def test_rollouts_and_awaitable_envs_raise_when_every_agent_is_gone(cluster):
 
         with pytest.raises(RuntimeError, match="no env can take work"):
             asyncio.run(main())
+    finally:
+        envs.close()
+
+
+def test_agents_that_no_node_can_take_are_a_clear_error_and_leave_nothing_behind(cluster):
+    with pytest.raises(RuntimeError, match=r"2 node agents did not start within 3 s \(agents"):
+        ClusterVectorEnv([TaskEnv] * 4, num_agents=2, batch_size=2, startup_timeout_s=3,
+                         agent_options={"resources": {"no_such_node": 1}})  # fmt: skip
+    wait_for(lambda: not [a for a in ray.util.state.list_actors() if a.state != "DEAD"], 30)
+    assert [a.class_name for a in ray.util.state.list_actors() if a.state != "DEAD"] == []
+
+
+def test_two_agents_killed_at_once_cost_only_retries(cluster):
+    """Two of three agents killed in one instant mid-``get_batch``: every task is handed
+    over once, the lost attempts ran again (on the third agent, or on the two restarted),
+    and every trajectory replays."""
+    fn = functools.partial(TaskEnv, max_len=20, wait_s=0.005)
+    envs = make_cluster_env(cluster, env_fn=fn)
+    try:
+        with Rollouts(envs, obs_policy, group_size=2, max_retries=0) as rollouts:
+            rollouts.submit(seeds=list(range(12)))
+            groups = list(rollouts.get_batch(1))
+            for agent in envs.agents[1:]:
+                ray.kill(agent)
+            groups += [g for _ in range(11) for g in rollouts.get_batch(1)]
+            stats = rollouts.stats()
+        assert sorted(g.task.seed for g in groups) == list(range(12))
+        assert stats["dropped"].get("node_lost", 0) >= 2 and not stats["groups_dropped"]
+        for traj in (t for g in groups for t in g.trajectories):
+            assert traj.status.finished
+            replay(traj, fn)
     finally:
         envs.close()
 

@@ -53,7 +53,7 @@ __all__ = ["ClusterVectorEnv"]
 
 logger = logging.getLogger("shmvec")
 
-#: How long the constructor waits for its first ``min_agents`` agents.
+#: How long the constructor waits for its first ``min_agents`` agents (``startup_timeout_s``).
 STARTUP_TIMEOUT_S = 120.0
 #: How long ``close()`` gives the agents to close their envs before killing them.
 CLOSE_GRACE_S = 5.0
@@ -104,6 +104,7 @@ class ClusterVectorEnv(VectorEnvBase):
             join the pool.
         agent_restarts: how many times each lost agent is started again; 0: its envs
             leave the pool for good.
+        startup_timeout_s: how long the constructor waits for ``min_agents`` agents.
         agent_options: extra ``ActorClass.options(...)`` (``resources``, ``runtime_env``).
         vector_kwargs: keyword arguments of each agent's ShmVectorEnv.
         env_kwargs: keyword arguments of ``gym.make`` when ``env_fns`` is an env id.
@@ -125,6 +126,7 @@ class ClusterVectorEnv(VectorEnvBase):
         node_ids: Sequence[str] | None = None,
         min_agents: int | None = None,
         agent_restarts: int = AGENT_RESTARTS,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         agent_options: dict[str, Any] | None = None,
         vector_kwargs: dict[str, Any] | None = None,
         env_kwargs: dict[str, Any] | None = None,
@@ -175,15 +177,15 @@ class ClusterVectorEnv(VectorEnvBase):
             None if node_ids is None else list(node_ids), agent_restarts,
         )  # fmt: skip
         try:
-            self._start_up(min_agents)
+            self._start_up(min_agents, startup_timeout_s)
         except BaseException:
             self._members.shut(None)
             raise
         self.closed = False
 
-    def _start_up(self, min_agents: int) -> None:
+    def _start_up(self, min_agents: int, timeout_s: float) -> None:
         """Waits for ``min_agents`` agents' envs (RuntimeErrors name an agent that fails)."""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         members = self._members
         while len(members.in_state(SlotState.LIVE)) < min_agents:
             vacant = members.in_state(SlotState.VACANT)
@@ -195,7 +197,7 @@ class ClusterVectorEnv(VectorEnvBase):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(
-                    f"{min_agents} node agents did not start within {STARTUP_TIMEOUT_S:.0f} s "
+                    f"{min_agents} node agents did not start within {timeout_s:g} s "
                     f"(agents {members.in_state(SlotState.STARTING)} wait for a node); cluster "
                     f"resources: {ray.cluster_resources()}"
                 )
@@ -206,7 +208,7 @@ class ClusterVectorEnv(VectorEnvBase):
 
     @property
     def agents(self) -> list[Any]:
-        """Each agent's Ray actor handle (None where an agent has none now)."""
+        """Each agent's Ray actor handle (None where it has none now)."""
         return self._members.actors()
 
     @property
