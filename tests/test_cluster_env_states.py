@@ -29,11 +29,11 @@ def batch(ids, done=False):
 
 def test_a_live_agent_takes_resets_and_steps_of_envs_that_were_not_lost():
     envs, ids = states(), np.array([0, 1])
-    assert not envs.refused(ids, reset=True, state=SlotState.LIVE).any()
+    assert not envs.refused(ids, reset=True, state=SlotState.LIVE, autoreset=True).any()
     envs.routed(ids, reset=True)
-    assert not envs.refused(ids, reset=False, state=SlotState.LIVE).any()
+    assert not envs.refused(ids, reset=False, state=SlotState.LIVE, autoreset=True).any()
     for state in (SlotState.STARTING, SlotState.CLOSING, SlotState.VACANT):
-        assert envs.refused(ids, reset=True, state=state).all()
+        assert envs.refused(ids, reset=True, state=state, autoreset=True).all()
 
 
 def test_a_lost_env_takes_a_reset_only_and_its_running_command_gets_a_lost_row():
@@ -45,8 +45,14 @@ def test_a_lost_env_takes_a_reset_only_and_its_running_command_gets_a_lost_row()
     (_, _, _, truncations, _), got, infos = envs.take(2)
     assert got.tolist() == [0, 1] and truncations.all()
     assert infos == [{"node_lost": "agent 0 was lost"}] * 2
-    assert envs.refused(ids, reset=False, state=SlotState.LIVE).all()  # stale: no step
-    assert not envs.refused(ids, reset=True, state=SlotState.LIVE).any()
+    # Stale: a step is refused until a node_lost row told the env so (2 had none yet);
+    # then, under an autoreset mode, the step is the env's reset.
+    refused = envs.refused(ids, reset=False, state=SlotState.LIVE, autoreset=True)
+    assert refused.tolist() == [False, False, True]
+    assert envs.restarts(ids, SlotState.LIVE, autoreset=True).tolist() == [True, True, False]
+    assert envs.refused(ids, reset=False, state=SlotState.LIVE, autoreset=False).all()
+    assert not envs.restarts(ids, SlotState.STARTING, autoreset=True).any()
+    assert not envs.refused(ids, reset=True, state=SlotState.LIVE, autoreset=True).any()
     envs.start(np.array([2]))
     with pytest.raises(ValueError, match=r"envs \[2\] are not awaiting"):
         envs.start(np.array([1, 2]))
@@ -58,15 +64,17 @@ def test_a_draining_agent_lets_open_episodes_end_and_takes_no_new_one():
     envs.start(ids)
     envs.rows_in(batch(ids, done=False)[:4] + ({},), ids, None)  # both still in an episode
     envs.take(2)
-    assert not envs.refused(ids, reset=False, state=SlotState.DRAINING).any()
+    assert not envs.refused(ids, reset=False, state=SlotState.DRAINING, autoreset=True).any()
     assert envs.busy(ids)
     envs.start(ids)
     done = batch(ids, done=True)
     envs.rows_in(done, ids, [{"x": 1}, {}])
     _, got, infos = envs.take(2)
     assert infos == [{"x": 1}, {}] and not envs.busy(ids)
-    assert envs.refused(ids, reset=False, state=SlotState.DRAINING).all()  # a new episode
-    assert envs.refused(ids, reset=True, state=SlotState.DRAINING).all()
+    assert envs.refused(
+        ids, reset=False, state=SlotState.DRAINING, autoreset=True
+    ).all()  # a new episode
+    assert envs.refused(ids, reset=True, state=SlotState.DRAINING, autoreset=True).all()
 
 
 def test_ready_rows_come_out_in_arrival_order_cut_at_any_row():

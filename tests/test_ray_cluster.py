@@ -11,11 +11,14 @@ Skipped without Ray.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import time
 
+import envs as test_envs
 import numpy as np
 import pytest
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from helpers import assert_same
 from rollout_envs import TaskEnv, obs_policy
 from test_info_values import RandomInfoEnv, alone
@@ -93,6 +96,57 @@ def test_each_env_steps_as_on_one_machine(cluster):
     finally:
         cluster_envs.close()
         local.close()
+
+
+MODES = [
+    pytest.param(AutoresetMode.NEXT_STEP, id="next_step"),
+    pytest.param(AutoresetMode.SAME_STEP, id="same_step"),
+    pytest.param(AutoresetMode.DISABLED, id="disabled"),
+]
+
+
+@pytest.mark.parametrize("autoreset_mode", MODES)
+@pytest.mark.parametrize("env_name", ["CartPole-v1", "CustomSpaceEnv"])
+def test_the_step_api_equals_sync_vector_env(cluster, env_name, autoreset_mode):
+    """``batch_size == num_envs``: ``reset``/``step`` give SyncVectorEnv's results over
+    uneven agent blocks (3 + 2 envs), with a masked reset with per-env seeds and, with
+    autoreset disabled, masked resets of the envs that ended."""
+    num_envs = 5
+    make_fns = test_envs.ENV_CASES[env_name]
+    sync = SyncVectorEnv(make_fns(num_envs), autoreset_mode=autoreset_mode)
+    envs = ClusterVectorEnv(
+        make_fns(num_envs),
+        num_agents=2,
+        batch_size=num_envs,
+        node_ids=node_ids(cluster)[:2],
+        autoreset_mode=autoreset_mode,
+    )
+    try:
+        assert not envs.is_async and envs.observation_space == sync.observation_space
+        assert_same(envs.reset(seed=7), sync.reset(seed=7), "reset")
+        action_space = copy.deepcopy(sync.action_space)
+        action_space.seed(5)
+        ended, crossed_ends = np.zeros(num_envs, dtype=bool), 0
+        for t in range(40):
+            mask, seeds = None, None
+            if autoreset_mode == AutoresetMode.DISABLED and ended.any():
+                mask = ended.copy()
+            elif t == 11:  # agent 0 partly, agent 1 not at all
+                mask = np.array([True, False, True, False, False])
+                seeds = [100 + i for i in range(num_envs)]
+            if mask is not None:
+                options = {"reset_mask": mask, "level": t}
+                result = envs.reset(seed=seeds, options=dict(options))
+                assert_same(result, sync.reset(seed=seeds, options=dict(options)), f"reset {t}")
+            actions = action_space.sample()
+            result = envs.step(actions)
+            assert_same(result, sync.step(actions), f"step {t}")
+            ended = result[2] | result[3]
+            crossed_ends += int(ended.sum())
+        assert crossed_ends > 0
+    finally:
+        envs.close()
+        sync.close()
 
 
 def test_rollouts_give_complete_groups_that_replay(cluster):
@@ -307,6 +361,35 @@ def test_a_killed_agent_is_started_again_and_its_envs_take_work(cluster):
         for traj in trajs:
             assert traj.status.finished
             replay(traj, fn)
+    finally:
+        envs.close()
+
+
+def test_after_its_node_lost_row_a_step_on_the_restarted_agent_resets_the_env(cluster):
+    """Under an autoreset mode the step after a truncation is a reset: so is the step after
+    a ``node_lost`` row, once the agent is back (the reset's info, no reward, no flags)."""
+    envs = make_cluster_env(cluster, agents=2, env_fn=functools.partial(TaskEnv, max_len=50))
+    try:
+        envs.async_reset(seed=0)
+        for _ in range(2):
+            envs.recv(timeout=60)  # every env awaits an action
+        first = envs.agents[1]
+        ray.kill(first)
+        wait_for(lambda: envs.update_agents(0.1) or envs.agent_states[1] != "live", 30)
+        envs.send(np.ones(2, np.int64), [2, 3])  # to envs whose agent is gone
+        _, _, _, truncations, infos = envs.recv(timeout=60)
+        assert sorted(infos["env_id"].tolist()) == [2, 3] and infos["_node_lost"].all()
+        assert truncations.all()
+        wait_for(lambda: envs.update_agents(0.1) or envs.agent_states == ["live", "live"], 60)
+        assert envs.agents[1] is not first
+        envs.send(np.ones(2, np.int64), [2, 3])
+        _, rewards, terminations, truncations, infos = envs.recv(timeout=60)
+        assert sorted(infos["env_id"].tolist()) == [2, 3] and "node_lost" not in infos
+        assert infos["_length"].all() and not (rewards.any() or terminations.any())
+        assert not truncations.any()
+        envs.send(np.ones(2, np.int64), [2, 3])  # and they step on
+        _, _, _, _, infos = envs.recv(timeout=60)
+        assert sorted(infos["env_id"].tolist()) == [2, 3] and "length" not in infos
     finally:
         envs.close()
 

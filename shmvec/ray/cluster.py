@@ -35,7 +35,6 @@ from shmvec.batching import (
     Options,
     RowInfos,
     Seeds,
-    VectorEnvBase,
     batch_infos,
     check_env_ids,
     check_rows,
@@ -48,6 +47,7 @@ from shmvec.ray.blocks import actor_env_fns
 from shmvec.ray.channel import Reset, Step
 from shmvec.ray.env_states import EnvStates, ReadyRows
 from shmvec.ray.members import Event, Members, SlotState
+from shmvec.ray.sync_face import StepAPI, SyncFace
 
 __all__ = ["ClusterVectorEnv"]
 
@@ -63,21 +63,18 @@ DRAIN_TIMEOUT_S = 60.0
 AGENT_RESTARTS = 3
 
 
-class ClusterVectorEnv(VectorEnvBase):
-    """An async-mode vector env whose envs run on node agents over a Ray cluster.
+class ClusterVectorEnv(StepAPI):
+    """A vector env whose envs run on node agents over a Ray cluster (``ray.init`` first).
 
     Env ``i`` lives on one agent's contiguous block; ``async_reset(seed=s)`` gives it
     seed ``s + i`` (``group_size`` as in ``ShmVectorEnv``) whichever node runs it, so
-    each env's trajectory equals the one a local ``ShmVectorEnv`` gives for the same
-    seeds and actions. Failures come back as rows, as ``Rollouts`` and
-    ``AwaitableEnvs`` need them: ``on_env_error="reset"``, ``on_worker_death="restart"``
-    inside each agent, and ``infos["node_lost"]`` for the envs of a lost agent.
-
-    ``num_envs`` never changes: nodes join by starting agents that Ray could not place
-    before (``min_agents``), and leave by being lost or drained (``drain``); meanwhile
-    their envs are in ``lost_env_ids``.
-
-    Ray must be initialized (``ray.init(...)``) before construction.
+    each env's trajectory equals a local ``ShmVectorEnv``'s for the same seeds and
+    actions; with ``batch_size == num_envs``, ``reset``/``step`` give ``SyncVectorEnv``'s
+    results. Failures come back as rows, as ``Rollouts`` and ``AwaitableEnvs`` need them:
+    ``on_env_error="reset"``, ``on_worker_death="restart"`` inside each agent, and
+    ``infos["node_lost"]`` for the envs of a lost agent. ``num_envs`` never changes: nodes
+    join by starting agents that Ray could not place before (``min_agents``) and leave by
+    being lost or drained (``drain``); meanwhile their envs are in ``lost_env_ids``.
 
     Args:
         env_fns: zero-argument callables, one per env; or a registered env id, made
@@ -145,7 +142,7 @@ class ClusterVectorEnv(VectorEnvBase):
         _check_layout(self, node_ids, min_agents, group_size, env_tags)
         self.env_tags = None if env_tags is None else list(env_tags)
         self.group_size = group_size
-        self.is_async = True
+        self.is_async = self.batch_size < self.num_envs  # else: the step API (sync_face.py)
         self.num_agents = num_agents
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         # Failures come back as rows (the agents' ShmVectorEnvs reset a failed env and
@@ -235,7 +232,7 @@ class ClusterVectorEnv(VectorEnvBase):
         per_env = None
         if options is not None and not isinstance(options, dict):
             per_env = self._expand_options(options)
-        for k, local in self._route(ids, reset=True):
+        for k, local, _ in self._route(ids, reset=True):
             global_ids = local + self.blocks[k].start
             opts = options if per_env is None else [per_env[e] for e in global_ids.tolist()]
             self._members.send(k, Reset([seeds[e] for e in global_ids.tolist()], opts, local))
@@ -252,27 +249,34 @@ class ClusterVectorEnv(VectorEnvBase):
             )
         position = np.empty(self.num_envs, dtype=np.int64)
         position[ids] = np.arange(len(ids))
-        for k, local in self._route(ids, reset=False):
-            rows = position[local + self.blocks[k].start]
-            self._members.send(k, Step(take_rows(self.single_action_space, actions, rows), local))
+        space = self.single_action_space
+        for k, local, fresh in self._route(ids, reset=False):
+            if len(local):
+                rows = take_rows(space, actions, position[local + self.blocks[k].start])
+                self._members.send(k, Step(rows, local))
+            if len(fresh):  # the step after a node_lost row: the env's reset, as autoreset does
+                self._members.send(k, Reset([None] * len(fresh), None, fresh))
 
-    def _route(self, ids: np.ndarray, reset: bool) -> list[tuple[int, np.ndarray]]:
+    def _route(self, ids: np.ndarray, reset: bool) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """Checks that ``ids`` await a command and marks them in flight; answers with a
         ``node_lost`` row each env whose agent cannot take the command (none live, a
         step to an env whose agent was lost since its reset, a new episode on a drained
-        agent); returns the others' ``(agent, local ids)``."""
+        agent); returns the others' ``(agent, local ids, local ids to reset instead)``."""
         self._envs.start(ids)
         routes = []
         agents = self.agent_of[ids]
+        autoreset = self.autoreset_mode is not AutoresetMode.DISABLED
         for k in np.unique(agents).tolist():
-            mine = ids[agents == k]
-            refused = self._envs.refused(mine, reset, self._members.state(k))
+            mine, state = ids[agents == k], self._members.state(k)
+            refused = self._envs.refused(mine, reset, state, autoreset)
             if refused.any():
                 self._envs.lost_rows(mine[refused], self._members.slots[k].reason)
-            go = mine[~refused]
-            if len(go):
-                self._envs.routed(go, reset)
-                routes.append((k, self.local_of[go]))
+            fresh = mine[~refused & self._envs.restarts(mine, state, autoreset and not reset)]
+            go = mine[~refused & ~np.isin(mine, fresh)]
+            self._envs.routed(go, reset)
+            self._envs.routed(fresh, reset=True)
+            if len(go) or len(fresh):
+                routes.append((k, self.local_of[go], self.local_of[fresh]))
         return routes
 
     def _check_action_shape(self, actions: Any) -> None:
@@ -350,13 +354,9 @@ class ClusterVectorEnv(VectorEnvBase):
     def _join(self, k: int, described: dict[str, Any]) -> None:
         """Agent ``k`` started: its envs join the pool (each to be reset first)."""
         if self._envs.rows is None:  # the first agent: the env's spaces
-            self.single_observation_space = described["single_observation_space"]
-            self.single_action_space = described["single_action_space"]
-            self.observation_space = batch_space(self.single_observation_space, self.num_envs)
-            self.action_space = batch_space(self.single_action_space, self.num_envs)
-            self.metadata = {**described["metadata"], "autoreset_mode": self.autoreset_mode}
-            self.render_mode = described["render_mode"]
+            _take_spaces(self, described)
             self._envs.rows = ReadyRows(self.single_observation_space)
+            self._sync = SyncFace(self.single_observation_space, self.num_envs)
         for name in ("single_observation_space", "single_action_space"):
             if described[name] != getattr(self, name):
                 raise ValueError(
@@ -482,12 +482,19 @@ def _check_layout(
         raise ValueError(f"node_ids needs one node per agent ({agents}), got {node_ids}")
     if not 1 <= min_agents <= agents:
         raise ValueError(f"min_agents must be in [1, num_agents={agents}], got {min_agents}")
-    if not 1 <= envs.batch_size < n:
-        raise ValueError(
-            f"ClusterVectorEnv runs in async mode: batch_size must be in [1, num_envs={n}), "
-            f"got {envs.batch_size}"
-        )
+    if not 1 <= envs.batch_size <= n:
+        raise ValueError(f"batch_size must be in [1, num_envs={n}], got {envs.batch_size}")
     if group_size < 1 or n % group_size:
         raise ValueError(f"group_size must divide num_envs={n}, got {group_size}")
     if env_tags is not None and len(env_tags) != n:
         raise ValueError(f"env_tags needs one tag per env ({n}), got {env_tags}")
+
+
+def _take_spaces(envs: ClusterVectorEnv, described: dict[str, Any]) -> None:
+    """The vector env's spaces, metadata and render mode, from its first agent's."""
+    envs.single_observation_space = described["single_observation_space"]
+    envs.single_action_space = described["single_action_space"]
+    envs.observation_space = batch_space(envs.single_observation_space, envs.num_envs)
+    envs.action_space = batch_space(envs.single_action_space, envs.num_envs)
+    envs.metadata = {**described["metadata"], "autoreset_mode": envs.autoreset_mode}
+    envs.render_mode = described["render_mode"]

@@ -3,7 +3,9 @@ episode), and the rows its agents sent that ``recv`` has not returned yet. Nothi
 needs Ray.
 
 An env is *stale* once its agent was lost or drained, or it was answered with a
-``node_lost`` row: only a reset, on a live agent, routes it again.
+``node_lost`` row: only a reset, on a live agent, routes it again. A stale env is *told*
+once a ``node_lost`` row said so; under an autoreset mode its next step on a live agent is
+then its reset (as the step after any truncation is), not another ``node_lost`` row.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class EnvStates:
         self.answered = np.zeros(num_envs, dtype=bool)  # its row is buffered
         self.was_reset = np.zeros(num_envs, dtype=bool)  # reset on its current agent
         self.stale = np.zeros(num_envs, dtype=bool)
+        self.told = np.zeros(num_envs, dtype=bool)  # a node_lost row said it is stale
         self.open = np.zeros(num_envs, dtype=bool)  # in an episode: a drained agent lets it end
         self.rows: ReadyRows | None = None
 
@@ -91,18 +94,31 @@ class EnvStates:
     def never_reset(self, ids: np.ndarray) -> np.ndarray:
         return ids[~self.was_reset[ids] & ~self.stale[ids]]
 
-    def refused(self, ids: np.ndarray, reset: bool, state: SlotState) -> np.ndarray:
+    def refused(
+        self, ids: np.ndarray, reset: bool, state: SlotState, autoreset: bool
+    ) -> np.ndarray:
         """Which of ``ids`` (one agent's, in ``state``) cannot take the command: none live,
-        a step to a stale env, a new episode on a draining agent."""
+        a step to a stale env (but a told one under ``autoreset``: ``restarts``), a new
+        episode on a draining agent."""
         if state is SlotState.LIVE:
-            return np.zeros(len(ids), dtype=bool) if reset else self.stale[ids]
+            if reset:
+                return np.zeros(len(ids), dtype=bool)
+            return self.stale[ids] & ~(self.told[ids] & autoreset)
         if state is SlotState.DRAINING:
             return ~self.open[ids] | self.stale[ids]
         return np.ones(len(ids), dtype=bool)
 
+    def restarts(self, ids: np.ndarray, state: SlotState, autoreset: bool) -> np.ndarray:
+        """Which of ``ids``, sent a step, are reset instead (told, stale, on a live agent,
+        under an autoreset mode)."""
+        if state is not SlotState.LIVE or not autoreset:
+            return np.zeros(len(ids), dtype=bool)
+        return self.stale[ids] & self.told[ids]
+
     def routed(self, ids: np.ndarray, reset: bool) -> None:
         if reset:
             self.was_reset[ids], self.stale[ids], self.open[ids] = True, False, True
+            self.told[ids] = False
 
     def rows_in(self, batch: StepBatch, ids: np.ndarray, infos: list[dict] | None) -> None:
         """An agent's rows of envs ``ids`` (global), and their infos."""
@@ -118,7 +134,7 @@ class EnvStates:
         obs = create_empty_array(self.rows.space, n, fn=np.zeros)
         batch: StepBatch = (obs, np.zeros(n), np.zeros(n, dtype=bool), np.ones(n, dtype=bool), {})
         self.answered[ids] = True
-        self.open[ids], self.stale[ids] = False, True
+        self.open[ids], self.stale[ids], self.told[ids] = False, True, True
         self.rows.add(batch, ids, [{NODE_LOST: reason} for _ in range(n)])
 
     def running(self, ids: np.ndarray) -> np.ndarray:
@@ -128,9 +144,10 @@ class EnvStates:
     def lose(self, ids: np.ndarray, reason: str) -> None:
         """Their agent is gone: the running ones get ``node_lost`` rows; all are stale."""
         running = self.running(ids)
+        idle = ids[~np.isin(ids, running)]
+        self.stale[idle], self.told[idle], self.open[idle] = True, False, False
         if len(running):
             self.lost_rows(running, reason)
-        self.stale[ids], self.open[ids] = True, False
 
     def busy(self, ids: np.ndarray) -> bool:
         """Whether any of ``ids`` is in an episode or runs a command."""

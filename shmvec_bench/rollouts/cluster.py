@@ -20,13 +20,11 @@ import os
 import time
 from pathlib import Path
 from types import TracebackType
-
-import ray
-from ray import cluster_utils
+from typing import Any
 
 #: The defaults of ``--nodes`` and ``--node-cpus``.
 NODES = 2
-NODE_CPUS = 1.0
+NODE_CPUS = 1
 #: Each node's object store, bytes (Ray's smallest is 75 MiB).
 OBJECT_STORE_BYTES = 80 * 1024**2
 #: The repository root: Ray workers import shmvec and shmvec_bench from it.
@@ -36,28 +34,33 @@ ROOT = Path(__file__).resolve().parents[2]
 class SimulatedCluster:
     """``nodes`` simulated Ray nodes of ``node_cpus`` CPUs each, and this process connected."""
 
-    def __init__(self, nodes: int = NODES, node_cpus: float = NODE_CPUS) -> None:
-        if nodes < 1 or node_cpus <= 0:
-            raise ValueError(f"a cluster needs nodes >= 1 and node_cpus > 0, got {nodes}, {node_cpus}")
+    def __init__(self, nodes: int = NODES, node_cpus: int = NODE_CPUS) -> None:
+        if nodes < 1 or node_cpus < 1:
+            raise ValueError(f"a cluster needs nodes >= 1 and node_cpus >= 1: {nodes}, {node_cpus}")
         self.nodes, self.node_cpus = nodes, node_cpus
-        self.cluster: cluster_utils.Cluster | None = None
+        self.cluster: Any = None  # ray.cluster_utils.Cluster
         #: Seconds ``start()`` took.
         self.start_s = 0.0
 
     def start(self) -> SimulatedCluster:
+        import ray
+        from ray import cluster_utils
+
         if ray.is_initialized():
             raise RuntimeError("this process is connected to Ray already: stop that first")
         began = time.perf_counter()
-        head = {"num_cpus": 0, "object_store_memory": OBJECT_STORE_BYTES}
+        head = {
+            "num_cpus": 0,
+            "object_store_memory": OBJECT_STORE_BYTES,
+            "include_dashboard": False,
+        }
         self.cluster = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
         try:
             for _ in range(self.nodes):
                 self.cluster.add_node(
                     num_cpus=self.node_cpus, object_store_memory=OBJECT_STORE_BYTES
                 )
-            path = os.pathsep.join(
-                p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
-            )
+            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
             ray.init(
                 address=self.cluster.address,
                 include_dashboard=False,
@@ -73,6 +76,8 @@ class SimulatedCluster:
 
     def stop(self) -> None:
         """Disconnects and shuts every node down (their Ray workers with them)."""
+        import ray
+
         if ray.is_initialized():
             ray.shutdown()
         if self.cluster is not None:
@@ -94,6 +99,8 @@ class SimulatedCluster:
 def connect() -> SimulatedCluster | None:
     """None where Ray is initialized in this process; else a started ``SimulatedCluster``
     of the defaults, which the caller stops."""
+    import ray
+
     if ray.is_initialized():
         return None
     return SimulatedCluster().start()
@@ -101,6 +108,8 @@ def connect() -> SimulatedCluster | None:
 
 def cpu_nodes() -> list[tuple[str, float]]:
     """``(node id, CPUs)`` of each live node that has CPUs, in Ray's order."""
+    import ray
+
     return [
         (node["NodeID"], float(node["Resources"]["CPU"]))
         for node in ray.nodes()

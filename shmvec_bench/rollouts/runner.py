@@ -12,6 +12,8 @@ total PSS of that process tree. A backend that raises, or gives no batch within
 ``timeout`` seconds, is a result (``outcome``), not a reason to stop.
 
 W4 (``kill_every_s``) also kills one env process of the backend (SIGKILL) that often.
+A cluster runner runs over simulated Ray nodes on this machine (``cluster.py``), started
+before it opens and stopped after it closes; their processes count in the CPU and PSS.
 
 Example:
     >>> m = measure("guess", "ragen-serial", "latency", num_envs=8, group_size=4, seconds=0.1)
@@ -194,8 +196,12 @@ def measure(
     context: str = "forkserver",
     server: ServerConfig | None = None,
     interrupt: bool = False,
+    nodes: int = 2,
+    node_cpus: int = 1,
 ) -> RolloutMeasurement:
-    """Opens ``backend``, times ``get_batch`` for ``seconds``, closes it (see the module)."""
+    """Opens ``backend``, times ``get_batch`` for ``seconds``, closes it (see the module).
+    A cluster runner (``on_cluster``) runs over ``nodes`` simulated Ray nodes of
+    ``node_cpus`` CPUs each, started before it opens and stopped after it closes."""
     if num_envs % group_size:
         raise ValueError(f"num_envs={num_envs} is not a multiple of group_size={group_size}")
     spec, entry = WORKLOADS[workload], REGISTRY[backend]
@@ -216,12 +222,18 @@ def measure(
         ring_depth=ring_depth, max_lag=max_lag, policy_mode=policy_mode, context=context,
         stream=stream, interrupt=interrupt,
     )  # fmt: skip
-    runner = killer = None
+    runner = killer = cluster = None
     processes_before = set(descendants(os.getpid()))
     groups: list[GroupRecord] = []
     latencies: list[float] = []
     failed = False
     try:
+        if getattr(entry.open, "on_cluster", False):
+            from shmvec_bench.rollouts.cluster import SimulatedCluster
+
+            cluster = SimulatedCluster(nodes, node_cpus)
+            with deadline(timeout):
+                cluster.start()
         with deadline(timeout):
             runner = entry.open(ctx)
             row.config = getattr(runner, "config", "")
@@ -267,30 +279,35 @@ def measure(
         failed = True
         row.outcome = f"crash: {type(exc).__name__}: {exc}".splitlines()[0][:160]
     finally:
-        if killer is not None:
-            killer.stop()
-            row.kills = killer.kills
-        if runner is not None:
-            stats = None
-            try:
-                stats = runner.stats()
-            except Exception:
-                pass
-            if stats:
-                row.accounting = _accounting(stats)
-                row.lost_groups = sum((stats.get("groups_dropped") or {}).values())
-            elif failed:
-                # Everything launched and not returned went down with the runner.
-                row.lost_groups = max(0, stream.launched - len(groups))
+        try:
+            if killer is not None:
+                killer.stop()
+                row.kills = killer.kills
+            if runner is not None:
+                stats = None
+                try:
+                    stats = runner.stats()
+                except Exception:
+                    pass
+                if stats:
+                    row.accounting = _accounting(stats)
+                if stats and "groups_dropped" in stats:
+                    row.lost_groups = sum((stats["groups_dropped"] or {}).values())
+                elif failed:
+                    # Everything launched and not returned went down with the runner.
+                    row.lost_groups = max(0, stream.launched - len(groups))
+                if server_run is not None:
+                    # Also after a hang: why the policy failed trajectories (a context the
+                    # workload's games outgrow drops every group).
+                    row.policy_failures = _pairs(server_run.policy_failures())
+                RELEASE_HANGS.set()
+                with deadline(30.0):
+                    runner.close(terminate=failed)
             if server_run is not None:
-                # Also after a hang: why the policy failed trajectories (a context the
-                # workload's games outgrow drops every group).
-                row.policy_failures = _pairs(server_run.policy_failures())
-            RELEASE_HANGS.set()
-            with deadline(30.0):
-                runner.close(terminate=failed)
-        if server_run is not None:
-            server_run.close()
+                server_run.close()
+        finally:
+            if cluster is not None:
+                cluster.stop()
         if failed:
             # A backend that hung or crashed while opening left its processes behind
             # (nothing holds it to close): they would count in the next runs' PSS and CPU.
@@ -354,6 +371,7 @@ def _accounting(stats: dict) -> str:
     keys = (
         "launched", "completed", "in_flight", "dropped", "retries", "groups_delivered",
         "groups_dropped", "worker_restarts", "env_resets", "lag_held_share",
+        "driver_cpu_ms_per_1k_steps",
     )  # fmt: skip
     parts = []
     for key in keys:

@@ -28,9 +28,6 @@ import asyncio
 import math
 import threading
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.cluster import DriverClock, connect, cpu_nodes
 from shmvec_bench.rollouts.policies import Batcher, make_policy
@@ -107,6 +104,8 @@ class EnvActor:
         return len(self.threads)
 
     def _loop(self, index: int) -> None:
+        import ray
+
         try:
             env = make_env(self.workload, index)
             while True:
@@ -142,6 +141,9 @@ class RollEnvActors:
     def __init__(self, ctx: RunContext) -> None:
         if isinstance(ctx.policy, ServerRun):
             raise ValueError("roll-env-actors runs the latency and gru policies")
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         self.ctx = ctx
         self.env_steps = 0
         self.clock = DriverClock(lockstep=False)
@@ -181,6 +183,8 @@ class RollEnvActors:
         self.config = f"env_actors={len(self.actors)} envs_per_actor={ENVS_PER_ACTOR}"
 
     def get_batch(self):
+        import ray
+
         self.clock.begin(self.env_steps)
         groups, launched, self.env_steps = ray.get(
             self.queue.get_batch.remote(self.ctx.groups_per_batch)
@@ -203,6 +207,8 @@ class RollEnvActors:
     def close(self, terminate: bool = False) -> None:
         """Kills the env actors, the queue and the policy, and stops the cluster if this
         runner started it."""
+        import ray
+
         try:
             for actor in [*self.actors, self.queue, self.policy]:
                 if actor is not None:

@@ -18,7 +18,6 @@ import math
 from collections import Counter
 from typing import Any
 
-from shmvec.ray import ClusterVectorEnv
 from shmvec.rollouts import AsyncPolicy, Rollouts
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.backends.shmvec_common import (
@@ -63,6 +62,8 @@ class ShmvecCluster(ShmvecLayer):
     on_cluster = True
 
     def __init__(self, ctx: RunContext) -> None:
+        from shmvec.ray import ClusterVectorEnv
+
         self.ctx = ctx
         self.batcher = None
         self.token_lags: Counter[int] = Counter()

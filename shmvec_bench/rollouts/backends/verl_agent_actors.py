@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 
-import ray
-
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.backends.lockstep import Lockstep
 from shmvec_bench.rollouts.cluster import DriverClock, connect, cpu_nodes
@@ -80,6 +78,8 @@ class VerlAgentActors(Lockstep):
                 f"{ctx.num_envs} env actors need about {need / 1024:.1f} GiB, more than "
                 f"{MEMORY_SHARE:.0%} of the {free / 1024:.1f} GiB available"
             )
+        import ray
+
         self.clock = DriverClock(lockstep=True)
         self.cluster = connect()
         self.workers: list = []
@@ -97,9 +97,13 @@ class VerlAgentActors(Lockstep):
         self.config = f"actors={ctx.num_envs} num_cpus_per_actor={cpus:g}"
 
     def _reset(self, seeds):
+        import ray
+
         return ray.get([w.reset.remote(s) for w, s in zip(self.workers, seeds)])
 
     def _step(self, ids, actions):
+        import ray
+
         return ray.get([self.workers[i].step.remote(a) for i, a in zip(ids, actions)])
 
     def get_batch(self):
@@ -113,6 +117,8 @@ class VerlAgentActors(Lockstep):
 
     def close(self, terminate: bool = False) -> None:
         """Kills the env actors, and stops the cluster if this runner started it."""
+        import ray
+
         try:
             for worker in self.workers:
                 ray.kill(worker)
@@ -121,4 +127,3 @@ class VerlAgentActors(Lockstep):
             if self.cluster is not None:
                 self.cluster.stop()
                 self.cluster = None
-
