@@ -36,18 +36,14 @@ class SyncFace:
     def __init__(self, space: gym.Space, num_envs: int) -> None:
         self.space, self.num_envs = space, num_envs
         self.obs: Any = create_empty_array(space, num_envs, fn=np.zeros)
-        self.pending = np.arange(0)  # the envs whose rows the next wait collects
-
-    def expect(self, env_ids: np.ndarray) -> None:
-        self.pending = env_ids
 
     def collect(self, envs: Any, timeout: float | None) -> tuple:
-        """Every pending env's row, in env order: ``(obs, rewards, terminations,
-        truncations, infos)`` over all envs (an env not pending keeps its last
-        observation, zeros elsewhere), and the infos row by row (``RowInfos``)."""
+        """The row of every env with a command in flight, in env order: ``(obs, rewards,
+        terminations, truncations, infos)`` over all envs (an env without one keeps its
+        last observation, zeros elsewhere), and the infos row by row (``RowInfos``)."""
         n = self.num_envs
         rewards, terms, truncs = np.zeros(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
-        obs, reward, term, trunc, infos = envs._recv(timeout, True, False)  # all pending
+        obs, reward, term, trunc, infos = envs._recv(timeout, True, False)  # all in flight
         rows, ids = envs.row_infos(), infos["env_id"]
         self.obs = _put_rows(self.space, self.obs, ids, obs)
         rewards[ids], terms[ids], truncs[ids] = reward, term, trunc
@@ -102,7 +98,6 @@ class StepAPI(VectorEnvBase):
         mask = take_reset_mask(options, reset_mask)
         ids = np.flatnonzero(check_reset_mask(mask, self.num_envs)) if mask is not None else None
         self._async_reset(seed, options, ids)
-        self._sync.expect(np.arange(self.num_envs) if ids is None else ids)
         self._state = AsyncState.WAITING_RESET
 
     def reset_wait(self, timeout: float | None = None) -> tuple[Any, dict[str, Any]]:
@@ -116,7 +111,6 @@ class StepAPI(VectorEnvBase):
         self._assert_sync("step_async")
         self._assert_idle("step_async")
         self._send(actions, np.arange(self.num_envs))
-        self._sync.expect(np.arange(self.num_envs))
         self._state = AsyncState.WAITING_STEP
 
     def step_wait(self, timeout: float | None = None) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
