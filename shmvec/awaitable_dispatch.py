@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 
-from shmvec.batching import infos_by_row
 from shmvec.errors import (
     EnvDeadlineError,
     EnvFailure,
@@ -39,6 +38,7 @@ from shmvec.errors import (
     EnvWorkerDiedError,
 )
 from shmvec.rollouts.rows import rows_of
+from shmvec.row_infos import infos_by_row
 
 #: Infos with which the vector env reports that an env lost its state, and the failure
 #: each one is (the same as the rollout layer's).

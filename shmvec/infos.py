@@ -47,7 +47,7 @@ _CELL_VIEWS: list[Any] = [None] + [
 CELL_KINDS = [None] + [d.kind for d in _CELL_VIEWS[1:]]  # "f", "u" or "i", by code
 
 
-#: Where each row's value of a column key comes from (``RowInfos``, shmvec/batching.py):
+#: Where each row's value of a column key comes from (``RowInfos``, shmvec/row_infos.py):
 #: ``(code, batch)`` when every row reported the key with one type (``batch``: its
 #: batched array, which holds each value exactly), else ``(codes, cells)``, copies of
 #: the batch's rows.

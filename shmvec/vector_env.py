@@ -51,7 +51,6 @@ from gymnasium.vector.vector_env import ArrayType, AutoresetMode
 from shmvec.actions import ActionWriter
 from shmvec.batching import (
     Options,
-    RowInfos,
     Seeds,
     VectorEnvBase,
     check_reset_mask,
@@ -80,6 +79,7 @@ from shmvec.protocol import (
     CLOSE_GRACE_S,
     ENV_STEP,
 )
+from shmvec.row_infos import RowInfos
 from shmvec.spin import NO_SPIN
 from shmvec.startup import start_workers
 from shmvec.worker import WorkerSpec

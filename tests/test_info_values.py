@@ -22,8 +22,9 @@ from helpers import assert_same
 
 import shmvec
 from shmvec import AwaitableEnvs
-from shmvec.batching import RowInfos, batch_infos, infos_by_row
+from shmvec.batching import batch_infos
 from shmvec.rollouts import Rollouts, Task
+from shmvec.row_infos import RowInfos, infos_by_row
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -17,10 +17,11 @@ import numpy as np
 
 from shmvec import _worker_loop
 from shmvec import infos as info_columns
-from shmvec.batching import RowInfos, batch_infos
+from shmvec.batching import batch_infos
 from shmvec.codecs import Spills
 from shmvec.engine.leases import ObsLeases
 from shmvec.errors import add_note
+from shmvec.row_infos import RowInfos
 
 
 class ResultDecoder:

@@ -33,8 +33,8 @@ import gymnasium as gym
 import ray
 from gymnasium.vector.vector_env import AutoresetMode
 
-from shmvec.batching import infos_by_row
 from shmvec.ray.channel import AgentFailure, Reset, Rows, no_delay
+from shmvec.row_infos import infos_by_row
 from shmvec.vector_env import ShmVectorEnv
 
 #: The infos key (with its ``_node_lost`` mask) of the rows of envs whose node agent was lost.

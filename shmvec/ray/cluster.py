@@ -33,7 +33,6 @@ from gymnasium.vector.vector_env import AutoresetMode
 from shmvec.batching import (
     ARRAY_SPACES,
     Options,
-    RowInfos,
     Seeds,
     batch_infos,
     check_env_ids,
@@ -48,6 +47,7 @@ from shmvec.ray.channel import Reset, Step
 from shmvec.ray.env_states import EnvStates, ReadyRows
 from shmvec.ray.members import Event, Members, SlotState
 from shmvec.ray.sync_face import StepAPI, SyncFace
+from shmvec.row_infos import RowInfos
 
 __all__ = ["ClusterVectorEnv"]
 
@@ -156,7 +156,7 @@ class ClusterVectorEnv(StepAPI):
         self._last_env_ids: np.ndarray | None = None
         #: Why each agent was last lost (agent index -> message).
         self.lost_agents: dict[int, str] = {}
-        #: The envs that take no new work: their agent was lost or drained, or is starting.
+        #: The envs that take no new work (their agent was lost or drained, or is starting).
         self.lost_env_ids: frozenset[int] = frozenset(range(self.num_envs))
         self._row_infos: RowInfos | None = None
         self._drains: deque[tuple[int, float]] = deque()  # (agent, deadline): drain() asked
@@ -215,12 +215,12 @@ class ClusterVectorEnv(StepAPI):
 
     @property
     def agent_states(self) -> list[str]:
-        """Each agent's state: starting, live, draining, closing or vacant."""
+        """The state of each agent (starting, live, draining, closing or vacant)."""
         return [self._members.state(k).value for k in range(self.num_agents)]
 
     @property
     def exhausted(self) -> bool:
-        """True when no agent is live, draining or starting: no env takes work again."""
+        """Whether every agent is vacant for good (lost past its restarts, or drained)."""
         return all(self._members.state(k) is SlotState.VACANT for k in range(self.num_agents))
 
     # --------------------------------------------------------------- commands

@@ -18,13 +18,13 @@ from gymnasium.vector.utils import create_empty_array
 
 from shmvec.batching import (
     Options,
-    RowInfos,
     Seeds,
     VectorEnvBase,
     batch_infos,
     check_reset_mask,
     take_reset_mask,
 )
+from shmvec.row_infos import RowInfos
 
 __all__ = ["StepAPI", "SyncFace"]
 

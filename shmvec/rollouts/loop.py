@@ -22,11 +22,11 @@ import numpy as np
 from gymnasium.vector.utils import concatenate, create_empty_array
 from gymnasium.vector.vector_env import AutoresetMode
 
-from shmvec.batching import infos_by_row
 from shmvec.rollouts.book import Book
 from shmvec.rollouts.policies import PolicyRunner, action_problem, split_row_output
 from shmvec.rollouts.records import PolicyRow, Status, Trajectory
 from shmvec.rollouts.rows import rows_of, take_rows
+from shmvec.row_infos import infos_by_row
 
 #: Infos with which the vector env reports that an env lost its state, and the
 #: failure each one is (``on_env_error="reset"``, ``on_worker_death="restart"``,
