@@ -117,10 +117,14 @@ def main() -> None:
         source = Source.remote(args.rows, args.obs)
         ray.get(source.ready.remote())
         paths = {"actor-call": actor_call, "generator": generator, "channel": channel}
-        print(f"# python dev/ray_channels.py --messages {args.messages} --rows {args.rows} "
-              f"--obs {args.obs} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
-        print(f"# {platform.node()} {platform.machine()}, Python {platform.python_version()}, "
-              f"ray {ray.__version__}; one simulated node; alternated, {args.repeats} rounds")
+        print(
+            f"# python dev/ray_channels.py --messages {args.messages} --rows {args.rows} "
+            f"--obs {args.obs} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})"
+        )
+        print(
+            f"# {platform.node()} {platform.machine()}, Python {platform.python_version()}, "
+            f"ray {ray.__version__}; one simulated node; alternated, {args.repeats} rounds"
+        )
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
         for _ in range(args.repeats):
             for name, fn in paths.items():

@@ -16,6 +16,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
+from gymnasium.vector.utils import batch_space
 
 from shmvec.batching import ARRAY_SPACES, batch_infos, rows_with_info, take_rows, unbatch_info
 
@@ -159,3 +160,14 @@ def select_step_rows(space: gym.Space, batch: StepBatch, rows: np.ndarray) -> St
         truncations[rows],
         batch_infos(items, len(rows)),
     )
+
+
+def take_spaces(envs: Any, described: dict[str, Any]) -> None:
+    """Sets a Ray vector env's spaces, metadata and render mode from its first actor's
+    description (``single_*_space``, ``metadata``, ``render_mode``)."""
+    envs.single_observation_space = described["single_observation_space"]
+    envs.single_action_space = described["single_action_space"]
+    envs.observation_space = batch_space(envs.single_observation_space, envs.num_envs)
+    envs.action_space = batch_space(envs.single_action_space, envs.num_envs)
+    envs.metadata = {**described["metadata"], "autoreset_mode": envs.autoreset_mode}
+    envs.render_mode = described["render_mode"]

@@ -27,7 +27,6 @@ import gymnasium as gym
 import numpy as np
 import ray
 from gymnasium.vector.async_vector_env import AsyncState
-from gymnasium.vector.utils import batch_space
 from gymnasium.vector.vector_env import AutoresetMode
 
 from shmvec.batching import (
@@ -42,7 +41,7 @@ from shmvec.batching import (
     take_rows,
 )
 from shmvec.ray.agent import COALESCE_S
-from shmvec.ray.blocks import actor_env_fns
+from shmvec.ray.blocks import actor_env_fns, take_spaces
 from shmvec.ray.channel import Reset, Step
 from shmvec.ray.env_states import EnvStates, ReadyRows
 from shmvec.ray.members import Event, Members, SlotState
@@ -354,7 +353,7 @@ class ClusterVectorEnv(StepAPI):
     def _join(self, k: int, described: dict[str, Any]) -> None:
         """Agent ``k`` started: its envs join the pool (each to be reset first)."""
         if self._envs.rows is None:  # the first agent: the env's spaces
-            _take_spaces(self, described)
+            take_spaces(self, described)
             self._envs.rows = ReadyRows(self.single_observation_space)
             self._sync = SyncFace(self.single_observation_space, self.num_envs)
         for name in ("single_observation_space", "single_action_space"):
@@ -488,13 +487,3 @@ def _check_layout(
         raise ValueError(f"group_size must divide num_envs={n}, got {group_size}")
     if env_tags is not None and len(env_tags) != n:
         raise ValueError(f"env_tags needs one tag per env ({n}), got {env_tags}")
-
-
-def _take_spaces(envs: ClusterVectorEnv, described: dict[str, Any]) -> None:
-    """The vector env's spaces, metadata and render mode, from its first agent's."""
-    envs.single_observation_space = described["single_observation_space"]
-    envs.single_action_space = described["single_action_space"]
-    envs.observation_space = batch_space(envs.single_observation_space, envs.num_envs)
-    envs.action_space = batch_space(envs.single_action_space, envs.num_envs)
-    envs.metadata = {**described["metadata"], "autoreset_mode": envs.autoreset_mode}
-    envs.render_mode = described["render_mode"]

@@ -24,7 +24,6 @@ import gymnasium as gym
 import numpy as np
 import ray
 from gymnasium.vector.async_vector_env import AsyncState
-from gymnasium.vector.utils import batch_space
 from gymnasium.vector.vector_env import ArrayType, AutoresetMode
 from ray.exceptions import RayActorError
 
@@ -48,6 +47,7 @@ from shmvec.ray.blocks import (
     concatenate_batches,
     idle_actors,
     merge_infos,
+    take_spaces,
 )
 
 __all__ = ["ActorDiedError", "EnvActor", "RayVectorEnv"]
@@ -175,13 +175,7 @@ class RayVectorEnv(VectorEnvBase):
             on_actor_death, placement_strategy, node_ids,
         )  # fmt: skip
         described = self._group.described
-        first = described[0]
-        self.single_observation_space = first["single_observation_space"]
-        self.single_action_space = first["single_action_space"]
-        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
-        self.action_space = batch_space(self.single_action_space, self.num_envs)
-        self.metadata = {**first["metadata"], "autoreset_mode": self.autoreset_mode}
-        self.render_mode = first["render_mode"]
+        take_spaces(self, described[0])
         #: The Ray node id of each actor, as at construction.
         self.actor_node_ids = [d["node_id"] for d in described]
         self._actor_obs: list[Any] = [None] * num_actors  # each actor's last obs

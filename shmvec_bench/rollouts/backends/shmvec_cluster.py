@@ -13,42 +13,19 @@ steps.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import Counter
-from typing import Any
 
-from shmvec.rollouts import AsyncPolicy, Rollouts
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.backends.shmvec_common import (
     ENV_TIMEOUT_S,
     HANG_TIMEOUT_S,
     async_batch,
 )
-from shmvec_bench.rollouts.backends.shmvec_layer import ShmvecLayer, task_source
+from shmvec_bench.rollouts.backends.shmvec_layer import ShmvecLayer, layer_policy, open_rollouts
 from shmvec_bench.rollouts.cluster import DriverClock, connect, cpu_nodes
-from shmvec_bench.rollouts.policies import Batcher
 from shmvec_bench.rollouts.records import RunContext
-from shmvec_bench.rollouts.server import ServerRun
 from shmvec_bench.rollouts.workloads import WORKLOADS, env_fns
-
-
-def layer_policy(ctx: RunContext) -> tuple[Any, Batcher | None]:
-    """The layer's policy for ``ctx.policy_mode`` (as the ``shmvec`` runner builds it), and
-    the ``Batcher`` behind it in ``"rows"`` mode."""
-    policy = ctx.policy
-    if isinstance(policy, ServerRun):
-        return policy.layer_policy(ctx.num_envs, ctx.interrupt), None
-    if ctx.policy_mode == "rows":
-        batcher = Batcher(policy)
-
-        async def ask(row):
-            return await asyncio.wrap_future(batcher.submit(row.observation))
-
-        return AsyncPolicy(ask, concurrency=ctx.num_envs), batcher
-    if ctx.policy_mode == "batched":
-        return (lambda batch: list(policy(list(batch.observations)))), None
-    raise ValueError(f"policy_mode must be 'batched' or 'rows', got {ctx.policy_mode!r}")
 
 
 @register(
@@ -87,16 +64,7 @@ class ShmvecCluster(ShmvecLayer):
                 vector_kwargs={"context": ctx.context, **(hangs if spec.hang_p else {})},
             )
             policy, self.batcher = layer_policy(ctx)
-            self.rollouts = Rollouts(
-                self.envs,
-                policy,
-                group_size=ctx.group_size,
-                tasks=task_source(ctx),
-                mode="async",
-                groups_per_batch=ctx.groups_per_batch,
-                max_lag=ctx.max_lag,
-                max_retries=2,
-            )
+            self.rollouts = open_rollouts(self.envs, policy, ctx)
         except BaseException:
             self._release(terminate=True)
             raise

@@ -41,6 +41,39 @@ def task_source(ctx: RunContext):
         yield Task(seed=seed, label="straggler" if is_straggler(seed) else "regular")
 
 
+def layer_policy(ctx: RunContext) -> tuple[Any, Batcher | None]:
+    """The layer's policy for ``ctx.policy_mode``, and the ``Batcher`` behind it in
+    ``"rows"`` mode (an ``AsyncPolicy`` per row, as an inference server batches)."""
+    policy = ctx.policy
+    if isinstance(policy, ServerRun):
+        return policy.layer_policy(ctx.num_envs, ctx.interrupt), None
+    if ctx.policy_mode == "rows":
+        batcher = Batcher(policy)
+
+        async def ask(row):
+            return await asyncio.wrap_future(batcher.submit(row.observation))
+
+        return AsyncPolicy(ask, concurrency=ctx.num_envs), batcher
+    if ctx.policy_mode == "batched":
+        return (lambda batch: list(policy(list(batch.observations)))), None
+    raise ValueError(f"policy_mode must be 'batched' or 'rows', got {ctx.policy_mode!r}")
+
+
+def open_rollouts(envs: Any, policy: Any, ctx: RunContext) -> Rollouts:
+    """The layer as both shmvec rollout runners use it: tasks from the stream, async mode,
+    ``max_lag``, two retries."""
+    return Rollouts(
+        envs,
+        policy,
+        group_size=ctx.group_size,
+        tasks=task_source(ctx),
+        mode="async",
+        groups_per_batch=ctx.groups_per_batch,
+        max_lag=ctx.max_lag,
+        max_retries=2,
+    )
+
+
 @register(
     "shmvec",
     summary="S shmvec.rollouts.Rollouts (async) over ShmVectorEnv(env_concurrency=...)",
@@ -50,44 +83,18 @@ class ShmvecLayer:
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self.envs = open_envs(ctx)
-        self.batcher = None
         self.token_lags: Counter[int] = Counter()
-        policy = ctx.policy
-        layer_policy: Any
-        if isinstance(policy, ServerRun):
-            layer_policy = policy.layer_policy(ctx.num_envs, ctx.interrupt)
-        elif ctx.policy_mode == "rows":
-            self.batcher = batcher = Batcher(policy)
-
-            async def ask(row):
-                return await asyncio.wrap_future(batcher.submit(row.observation))
-
-            layer_policy = AsyncPolicy(ask, concurrency=ctx.num_envs)
-        elif ctx.policy_mode == "batched":
-
-            def layer_policy(batch):
-                return list(policy(list(batch.observations)))
-
-        else:
-            raise ValueError(f"policy_mode must be 'batched' or 'rows', got {ctx.policy_mode!r}")
+        self.batcher: Batcher | None = None
         try:
-            self.rollouts = Rollouts(
-                self.envs,
-                layer_policy,
-                group_size=ctx.group_size,
-                tasks=task_source(ctx),
-                mode="async",
-                groups_per_batch=ctx.groups_per_batch,
-                max_lag=ctx.max_lag,
-                max_retries=2,
-            )
+            policy, self.batcher = layer_policy(ctx)
+            self.rollouts = open_rollouts(self.envs, policy, ctx)
         except BaseException:
             self.envs.close(terminate=True)
             if self.batcher is not None:
                 self.batcher.close()
             raise
         mode = ctx.policy_mode
-        if isinstance(policy, ServerRun):
+        if isinstance(ctx.policy, ServerRun):
             mode = f"server interrupt={'on' if ctx.interrupt else 'off'}"
         self.config = describe(self.envs) + f" max_lag={ctx.max_lag} policy={mode}"
 
