@@ -2,7 +2,7 @@
 
 Two faces. ``RayVectorEnv`` steps one node-local ``ShmVectorEnv`` per actor as whole
 blocks (``step``, or ``recv`` of whole actor batches): for PPO-style loops.
-``ClusterVectorEnv`` is one async-mode vector env over ``NodeAgent`` actors, one per
+``ClusterVectorEnv`` is one vector env over ``NodeAgent`` actors, one per
 node, that serve each env's result as soon as it is in: for ``Rollouts`` and
 ``AwaitableEnvs``, which run on it by their constructor alone; a lost node's envs end
 as ``node_lost`` results, its agent starts again where Ray can place it, and agents join
