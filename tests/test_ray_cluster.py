@@ -25,7 +25,6 @@ from test_info_values import RandomInfoEnv, alone
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
-pytest.importorskip("ray.util.state")
 
 from shmvec import EnvNodeLostError, ShmVectorEnv  # noqa: E402
 from shmvec.awaitable import AwaitableEnvs  # noqa: E402
@@ -498,8 +497,15 @@ def test_agents_that_no_node_can_take_are_a_clear_error_and_leave_nothing_behind
     with pytest.raises(RuntimeError, match=r"2 node agents did not start within 3 s \(agents"):
         ClusterVectorEnv([TaskEnv] * 4, num_agents=2, batch_size=2, startup_timeout_s=3,
                          agent_options={"resources": {"no_such_node": 1}})  # fmt: skip
-    wait_for(lambda: not [a for a in ray.util.state.list_actors() if a.state != "DEAD"], 30)
-    assert [a.class_name for a in ray.util.state.list_actors() if a.state != "DEAD"] == []
+    wait_for(lambda: not live_actors(), 30)
+    assert live_actors() == []
+
+
+def live_actors() -> list[str]:
+    """The class names of the cluster's actors that are not dead, from the GCS's actor
+    table (``ray.util.state`` needs the dashboard, which ``ray`` without extras lacks)."""
+    actors = ray._private.state.actors().values()
+    return [actor["ActorClassName"] for actor in actors if actor["State"] != "DEAD"]
 
 
 def test_two_agents_killed_at_once_cost_only_retries(cluster):
