@@ -332,12 +332,13 @@ class ClusterVectorEnv(StepAPI):
 
     def _handle(self, event: Event) -> None:
         k, members = event.agent, self._members
-        if event.kind == "rows":
+        if event.kind == "rows":  # per message: no slot changed, lost_env_ids stays
             if members.state(k) in (SlotState.LIVE, SlotState.DRAINING):
                 batch, row_infos = event.value
                 ids = batch[4].pop("env_id") + self.blocks[k].start  # leaves infos empty
                 self._envs.rows_in(batch, ids, row_infos)
-        elif event.kind == "started":
+            return
+        if event.kind == "started":
             self._join(k, event.value)
         elif event.kind == "lost":
             self._lose(k, event.value)
