@@ -26,14 +26,14 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Listener
 from typing import Any
 
 import gymnasium as gym
 import ray
 from gymnasium.vector.vector_env import AutoresetMode
 
-from shmvec.ray.channel import AgentFailure, Reset, Rows, no_delay
+from shmvec.ray.channel import AgentFailure, Channel, Reset, Rows
 from shmvec.row_infos import infos_by_row
 from shmvec.vector_env import ShmVectorEnv
 
@@ -88,7 +88,7 @@ class NodeAgent:
         self.envs: ShmVectorEnv | None = None
         self._closed = threading.Event()  # close() was called: serve() returns
         self._listener = Listener((ray.util.get_node_ip_address(), 0), authkey=authkey)
-        self._conn: Connection | None = None
+        self._conn: Channel | None = None
         threading.Thread(target=self._accept, name="shmvec-agent-accept", daemon=True).start()
         try:
             self.envs = ShmVectorEnv(
@@ -133,20 +133,21 @@ class NodeAgent:
         """Takes the driver's connection; then reads its commands (this thread) and
         starts the pump."""
         try:
-            conn = no_delay(self._listener.accept())
+            conn = Channel(self._listener.accept())
         except (OSError, EOFError, AuthenticationError):
             return  # closed before the driver connected, or a stranger
         self._conn = conn
         threading.Thread(target=self._pump, name="shmvec-agent-pump", daemon=True).start()
         while not self._closed.is_set():
             try:
-                message = conn.recv()
+                messages = conn.receive()
             except (EOFError, OSError):
                 break  # the driver closed the channel
-            if isinstance(message, Reset):
-                self._queue(("reset", message.seeds, message.options, message.env_ids))
-            else:
-                self._queue(("step", message.actions, message.env_ids))
+            for message in messages:
+                if isinstance(message, Reset):
+                    self._queue(("reset", message.seeds, message.options, message.env_ids))
+                else:
+                    self._queue(("step", message.actions, message.env_ids))
         self._closed.set()
         self._queue(None)  # wakes the pump
 
@@ -271,8 +272,7 @@ class NodeAgent:
         with contextlib.suppress(OSError):
             self._listener.close()
         if self._conn is not None:
-            with contextlib.suppress(OSError):
-                self._conn.close()
+            self._conn.close()
 
 
 RemoteNodeAgent = ray.remote(NodeAgent)  # options(max_concurrency=AGENT_CONCURRENCY)

@@ -24,7 +24,7 @@ import selectors
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Client
 from typing import Any
 
 import gymnasium as gym
@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from shmvec.errors import add_note
 from shmvec.ray.agent import AGENT_CONCURRENCY, RemoteNodeAgent
-from shmvec.ray.channel import AgentFailure, Rows, no_delay
+from shmvec.ray.channel import AgentFailure, Channel, Rows
 
 __all__ = ["Event", "Members", "SlotState"]
 
@@ -60,7 +60,7 @@ class Slot:
     strategy: Any  # the scheduling strategy of its first agent
     state: SlotState = SlotState.STARTING
     actor: Any = None
-    conn: Connection | None = None  # its channel, while live or draining
+    conn: Channel | None = None  # its channel, while live or draining
     ref: Any = None  # describe (starting), serve (live, draining) or close (closing)
     node_id: str = ""
     restarts: int = 0
@@ -195,20 +195,19 @@ class Members:
         slot = self.slots[k]
         conn = slot.conn
         assert conn is not None
-        events = []
         try:
-            while True:
-                message = conn.recv()
-                if isinstance(message, AgentFailure):
-                    add_note(message.error, f"in shmvec {self.name(k)}")
-                    raise message.error
-                assert isinstance(message, Rows)
-                events.append(Event("rows", k, (message.batch, message.row_infos)))
-                if not conn.poll(0):
-                    return events
+            messages = conn.receive(block=False)
         except (EOFError, OSError):
             reason = f"{self.name(k)} was lost: its channel closed (the agent's process ended)"
-            return [*events, Event("lost", k, reason)]
+            return [Event("lost", k, reason)]
+        events = []
+        for message in messages:
+            if isinstance(message, AgentFailure):
+                add_note(message.error, f"in shmvec {self.name(k)}")
+                raise message.error
+            assert isinstance(message, Rows)
+            events.append(Event("rows", k, (message.batch, message.row_infos)))
+        return events
 
     def _ray_events(self, timeout: float | None) -> list[Event]:
         refs = list(self._calls)
@@ -246,7 +245,7 @@ class Members:
         slot = self.slots[k]
         slot.node_id = description["node_id"]
         try:
-            slot.conn = no_delay(Client(description["address"], authkey=self.authkey))
+            slot.conn = Channel(Client(description["address"], authkey=self.authkey))
             self._channels.register(slot.conn, selectors.EVENT_READ, k)
         except (OSError, EOFError) as exc:
             self.lost(k, f"{self.name(k)} was lost: its channel did not open ({exc!r})")
@@ -319,8 +318,7 @@ class Members:
         if slot.conn is not None:
             with contextlib.suppress(KeyError, ValueError):
                 self._channels.unregister(slot.conn)
-            with contextlib.suppress(OSError):
-                slot.conn.close()
+            slot.conn.close()
             slot.conn = None
 
     def _forget(self, k: int) -> None:
