@@ -32,25 +32,23 @@ from shmvec import ShmVectorEnv  # noqa: E402
 from shmvec.ray import ClusterVectorEnv  # noqa: E402
 
 
-def run(envs: gym.vector.VectorEnv, results: int) -> tuple[float, np.ndarray]:
-    """Steps every env until ``results`` rows came back: (driver CPU s, latencies s)."""
-    sent = np.zeros(envs.num_envs)
+def run(envs: gym.vector.VectorEnv, results: int) -> tuple[float, np.ndarray, float]:
+    """Steps every env until ``results`` rows came back: (driver CPU s, latencies s,
+    results per s)."""
+    sent = np.full(envs.num_envs, np.nan)  # when each env's action left (NaN: a reset)
     latencies = []
     envs.async_reset(seed=0)
     envs.recv(timeout=60, partial=True)  # warm: some resets in
-    cpu0 = time.process_time()
-    pending = True
+    cpu0, began = time.process_time(), time.perf_counter()
     while len(latencies) < results:
         _, _, _, _, infos = envs.recv(timeout=60, partial=True, take_ready=True)
         now = time.perf_counter()
         ids = infos["env_id"]
-        if not pending:
-            latencies.extend((now - sent[ids]).tolist())
-        pending = False
+        latencies.extend((now - sent[ids][~np.isnan(sent[ids])]).tolist())
         sent[ids] = time.perf_counter()
         envs.send(np.ones(len(ids), np.int64), ids)
-    cpu = time.process_time() - cpu0
-    return cpu, np.asarray(latencies[:results])
+    cpu, elapsed = time.process_time() - cpu0, time.perf_counter() - began
+    return cpu, np.asarray(latencies[:results]), len(latencies) / elapsed
 
 
 def main() -> None:
@@ -59,18 +57,23 @@ def main() -> None:
     parser.add_argument("--envs-per-agent", type=int, default=4)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--results", type=int, default=2000)
+    parser.add_argument(
+        "--batch-size", type=int, help="rows a recv waits for (default: a quarter of the envs)"
+    )
     args = parser.parse_args()
     fn = functools.partial(TaskEnv, max_len=10**6, wait_s=args.step_ms / 1000)
     print(f"envs/agent={args.envs_per_agent} step={args.step_ms} ms (lognormal median)")
-    print("backend     nodes  driver CPU ms/1k results  latency p50 ms  p99 ms")
+    print("backend     nodes  results/s  driver CPU ms/1k results  latency p50 ms  p99 ms")
     for nodes in args.nodes:
         n = nodes * args.envs_per_agent
-        local = ShmVectorEnv([fn] * n, num_workers=min(nodes, 2), batch_size=max(1, n // 4),
-                             env_concurrency=args.envs_per_agent)  # fmt: skip
-        cpu, lat = run(local, args.results)
+        batch = args.batch_size or max(1, n // 4)
+        workers = min(nodes, 2)  # every env at once, as on the agents
+        local = ShmVectorEnv([fn] * n, num_workers=workers, batch_size=batch,
+                             env_concurrency=-(-n // workers))  # fmt: skip
+        cpu, lat, rate = run(local, args.results)
         local.close()
         print(
-            f"local       {nodes:5d}  {1000 * cpu / len(lat) * 1000:24.1f}  "
+            f"local       {nodes:5d}  {rate:9.0f}  {1000 * cpu / len(lat) * 1000:24.1f}  "
             f"{np.percentile(lat, 50) * 1e3:14.2f}  {np.percentile(lat, 99) * 1e3:6.2f}"
         )
         head = {"num_cpus": 0, "object_store_memory": 80 * 1024**2}
@@ -82,15 +85,15 @@ def main() -> None:
                  runtime_env={"env_vars": {"PYTHONPATH": tests}})  # fmt: skip
         cluster.wait_for_nodes()
         try:
-            envs = ClusterVectorEnv([fn] * n, num_agents=nodes, batch_size=max(1, n // 4),
+            envs = ClusterVectorEnv([fn] * n, num_agents=nodes, batch_size=batch,
                                     env_concurrency=args.envs_per_agent)  # fmt: skip
-            cpu, lat = run(envs, args.results)
+            cpu, lat, rate = run(envs, args.results)
             envs.close()
         finally:
             ray.shutdown()
             cluster.shutdown()
         print(
-            f"cluster     {nodes:5d}  {1000 * cpu / len(lat) * 1000:24.1f}  "
+            f"cluster     {nodes:5d}  {rate:9.0f}  {1000 * cpu / len(lat) * 1000:24.1f}  "
             f"{np.percentile(lat, 50) * 1e3:14.2f}  {np.percentile(lat, 99) * 1e3:6.2f}"
         )
 
