@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 from pathlib import Path
@@ -80,9 +81,10 @@ def main() -> None:
         cluster = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
         for _ in range(nodes):
             cluster.add_node(num_cpus=1, object_store_memory=80 * 1024**2)
-        tests = str(Path(__file__).resolve().parents[1] / "tests")
+        root = Path(__file__).resolve().parents[1]  # the agents import this checkout
+        path = os.pathsep.join((str(root), str(root / "tests")))
         ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": tests}})  # fmt: skip
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
         cluster.wait_for_nodes()
         try:
             envs = ClusterVectorEnv([fn] * n, num_agents=nodes, batch_size=batch,

@@ -12,15 +12,20 @@
   place their envs.
 - ``DriverClock``: this process's CPU time per 1,000 env steps over a runner's timed
   batches (``time.process_time``: every thread of the driver, Ray's own included).
+- ``ClusterRunner``: what every cluster runner shares (its cluster, its driver clock, its
+  ``stats``).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: The defaults of ``--nodes`` and ``--node-cpus``.
 NODES = 2
@@ -149,3 +154,36 @@ class DriverClock:
             return None
         cpu = self._last[0] - self._first[0]
         return 1e6 * cpu / (self._last[1] - self._first[1])
+
+
+class ClusterRunner:
+    """The part every cluster runner shares: it runs over a cluster (``on_cluster``);
+    ``join`` connects to it (the caller's, or a ``SimulatedCluster`` of its own, which
+    ``leave`` stops) and starts the driver's clock; ``timed`` runs one ``get_batch`` on that
+    clock; ``stats`` reports the driver's CPU per 1,000 env steps. A runner counts its env
+    steps in ``env_steps``."""
+
+    #: The benchmark runs it over a simulated cluster.
+    on_cluster = True
+    env_steps: int
+    clock: DriverClock
+    cluster: SimulatedCluster | None = None
+
+    def join(self, lockstep: bool = False) -> None:
+        self.clock = DriverClock(lockstep)
+        self.cluster = connect()
+
+    def leave(self) -> None:
+        """Stops the cluster if this runner started it."""
+        if self.cluster is not None:
+            cluster, self.cluster = self.cluster, None
+            cluster.stop()
+
+    def timed(self, get_batch: Callable[[], T]) -> T:
+        self.clock.begin(self.env_steps)
+        groups = get_batch()
+        self.clock.end(self.env_steps)
+        return groups
+
+    def stats(self) -> dict[str, Any]:
+        return {"driver_cpu_ms_per_1k_steps": self.clock.ms_per_1k_steps()}

@@ -20,7 +20,7 @@ import multiprocessing
 import numpy as np
 
 from shmvec_bench.rollouts.backends.base import register
-from shmvec_bench.rollouts.cluster import DriverClock, connect, cpu_nodes
+from shmvec_bench.rollouts.cluster import ClusterRunner, cpu_nodes
 from shmvec_bench.rollouts.records import GroupAssembler, RunContext, TrajRecord, now
 from shmvec_bench.rollouts.workloads import WORKLOADS, env_fns
 
@@ -31,10 +31,7 @@ from shmvec_bench.rollouts.workloads import WORKLOADS, env_fns
     mirrors="shmvec/ray/vector.py async_reset/send/recv",
     requires="ray",
 )
-class RayBlocks:
-    #: The benchmark runs it over a simulated cluster (``shmvec_bench.rollouts.cluster``).
-    on_cluster = True
-
+class RayBlocks(ClusterRunner):
     def __init__(self, ctx: RunContext) -> None:
         from shmvec.ray import RayVectorEnv
 
@@ -42,8 +39,7 @@ class RayBlocks:
         n = ctx.num_envs
         self.assembler = GroupAssembler(ctx.stream, ctx.group_size)
         self.env_steps = 0
-        self.clock = DriverClock(lockstep=False)
-        self.cluster = connect()
+        self.join()
         self.envs = None
         try:
             nodes = cpu_nodes()
@@ -146,18 +142,15 @@ class RayBlocks:
         return ids
 
     def get_batch(self):
-        self.clock.begin(self.env_steps)
+        return self.timed(self._get_batch)
+
+    def _get_batch(self):
         while self.assembler.ready < self.ctx.groups_per_batch:
             self._turn()
-        groups = self.assembler.wait_groups(self.ctx.groups_per_batch)
-        self.clock.end(self.env_steps)
-        return groups
+        return self.assembler.wait_groups(self.ctx.groups_per_batch)
 
     def env_pids(self):
         return []
-
-    def stats(self):
-        return {"driver_cpu_ms_per_1k_steps": self.clock.ms_per_1k_steps()}
 
     def close(self, terminate: bool = False) -> None:
         """Closes the actors, and stops the cluster if this runner started it."""
@@ -166,6 +159,4 @@ class RayBlocks:
                 self.envs.close(terminate=terminate)
                 self.envs = None
         finally:
-            if self.cluster is not None:
-                self.cluster.stop()
-                self.cluster = None
+            self.leave()

@@ -29,7 +29,7 @@ import math
 import threading
 
 from shmvec_bench.rollouts.backends.base import register
-from shmvec_bench.rollouts.cluster import DriverClock, connect, cpu_nodes
+from shmvec_bench.rollouts.cluster import ClusterRunner, cpu_nodes
 from shmvec_bench.rollouts.policies import Batcher, make_policy
 from shmvec_bench.rollouts.records import (
     GroupAssembler,
@@ -134,10 +134,7 @@ class EnvActor:
     "rollout_scheduler.py",
     requires="ray",
 )
-class RollEnvActors:
-    #: The benchmark runs it over a simulated cluster (``shmvec_bench.rollouts.cluster``).
-    on_cluster = True
-
+class RollEnvActors(ClusterRunner):
     def __init__(self, ctx: RunContext) -> None:
         if isinstance(ctx.policy, ServerRun):
             raise ValueError("roll-env-actors runs the latency and gru policies")
@@ -146,8 +143,7 @@ class RollEnvActors:
 
         self.ctx = ctx
         self.env_steps = 0
-        self.clock = DriverClock(lockstep=False)
-        self.cluster = connect()
+        self.join()
         self.actors: list = []
         self.queue = self.policy = None
         try:
@@ -185,11 +181,13 @@ class RollEnvActors:
     def get_batch(self):
         import ray
 
-        self.clock.begin(self.env_steps)
-        groups, launched, self.env_steps = ray.get(
-            self.queue.get_batch.remote(self.ctx.groups_per_batch)
-        )
-        self.clock.end(self.env_steps)
+        def take():
+            groups, launched, self.env_steps = ray.get(
+                self.queue.get_batch.remote(self.ctx.groups_per_batch)
+            )
+            return groups, launched
+
+        groups, launched = self.timed(take)
         # The tasks the queue launched, in the run's task stream too (same seeds, in order).
         while self.ctx.stream.launched < launched:
             self.ctx.stream.take()
@@ -200,9 +198,6 @@ class RollEnvActors:
 
     def env_pids(self):
         return []
-
-    def stats(self):
-        return {"driver_cpu_ms_per_1k_steps": self.clock.ms_per_1k_steps()}
 
     def close(self, terminate: bool = False) -> None:
         """Kills the env actors, the queue and the policy, and stops the cluster if this
@@ -215,6 +210,4 @@ class RollEnvActors:
                     ray.kill(actor)
             self.actors, self.queue, self.policy = [], None, None
         finally:
-            if self.cluster is not None:
-                self.cluster.stop()
-                self.cluster = None
+            self.leave()

@@ -23,7 +23,7 @@ from shmvec_bench.rollouts.backends.shmvec_common import (
     async_batch,
 )
 from shmvec_bench.rollouts.backends.shmvec_layer import ShmvecLayer, layer_policy, open_rollouts
-from shmvec_bench.rollouts.cluster import DriverClock, connect, cpu_nodes
+from shmvec_bench.rollouts.cluster import ClusterRunner, cpu_nodes
 from shmvec_bench.rollouts.records import RunContext
 from shmvec_bench.rollouts.workloads import WORKLOADS, env_fns
 
@@ -34,18 +34,14 @@ from shmvec_bench.rollouts.workloads import WORKLOADS, env_fns
     mirrors="shmvec/ray/cluster.py under shmvec/rollouts/rollouts.py",
     requires="ray",
 )
-class ShmvecCluster(ShmvecLayer):
-    #: The benchmark runs it over a simulated cluster (``shmvec_bench.rollouts.cluster``).
-    on_cluster = True
-
+class ShmvecCluster(ClusterRunner, ShmvecLayer):
     def __init__(self, ctx: RunContext) -> None:
         from shmvec.ray import ClusterVectorEnv
 
         self.ctx = ctx
         self.batcher = None
         self.token_lags: Counter[int] = Counter()
-        self.clock = DriverClock(lockstep=False)
-        self.cluster = connect()
+        self.join()
         self.envs = None
         try:
             nodes = cpu_nodes()
@@ -74,10 +70,7 @@ class ShmvecCluster(ShmvecLayer):
         )
 
     def get_batch(self):
-        self.clock.begin(self.env_steps)
-        groups = super().get_batch()
-        self.clock.end(self.env_steps)
-        return groups
+        return self.timed(super().get_batch)
 
     def env_pids(self):
         return []
@@ -87,8 +80,7 @@ class ShmvecCluster(ShmvecLayer):
         env_stats = self.envs.stats()
         stats["agent_states"] = env_stats["agent_states"]
         stats["lost_agents"] = env_stats["lost_agents"]
-        stats["driver_cpu_ms_per_1k_steps"] = self.clock.ms_per_1k_steps()
-        return stats
+        return {**stats, **ClusterRunner.stats(self)}
 
     def close(self, terminate: bool = False) -> None:
         try:
@@ -104,5 +96,4 @@ class ShmvecCluster(ShmvecLayer):
             if self.batcher is not None:
                 self.batcher.close()
         finally:
-            if self.cluster is not None:
-                self.cluster.stop()
+            self.leave()

@@ -21,7 +21,7 @@ import math
 
 from shmvec_bench.rollouts.backends.base import register
 from shmvec_bench.rollouts.backends.lockstep import Lockstep
-from shmvec_bench.rollouts.cluster import DriverClock, connect, cpu_nodes
+from shmvec_bench.rollouts.cluster import ClusterRunner, cpu_nodes
 from shmvec_bench.rollouts.records import RunContext
 from shmvec_bench.rollouts.workloads import make_env
 
@@ -65,10 +65,8 @@ def available_mib() -> float:
     requires="ray",
     lockstep=True,
 )
-class VerlAgentActors(Lockstep):
+class VerlAgentActors(ClusterRunner, Lockstep):
     ROLLOUT = {"generate_for_finished": True, "step_finished": True}
-    #: The benchmark runs it over a simulated cluster (``shmvec_bench.rollouts.cluster``).
-    on_cluster = True
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
@@ -80,8 +78,7 @@ class VerlAgentActors(Lockstep):
             )
         import ray
 
-        self.clock = DriverClock(lockstep=True)
-        self.cluster = connect()
+        self.join(lockstep=True)
         self.workers: list = []
         try:
             total = sum(c for _, c in cpu_nodes())
@@ -107,13 +104,7 @@ class VerlAgentActors(Lockstep):
         return ray.get([self.workers[i].step.remote(a) for i, a in zip(ids, actions)])
 
     def get_batch(self):
-        self.clock.begin(self.env_steps)
-        groups = super().get_batch()
-        self.clock.end(self.env_steps)
-        return groups
-
-    def stats(self):
-        return {"driver_cpu_ms_per_1k_steps": self.clock.ms_per_1k_steps()}
+        return self.timed(super().get_batch)
 
     def close(self, terminate: bool = False) -> None:
         """Kills the env actors, and stops the cluster if this runner started it."""
@@ -124,6 +115,4 @@ class VerlAgentActors(Lockstep):
                 ray.kill(worker)
             self.workers = []
         finally:
-            if self.cluster is not None:
-                self.cluster.stop()
-                self.cluster = None
+            self.leave()
