@@ -4,13 +4,25 @@ as it was sent, whole, in order, however the bytes are cut on their way; nothing
 from __future__ import annotations
 
 import selectors
+import socket
 import threading
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Listener
 
 import numpy as np
 import pytest
 
-from shmvec.ray.channel import HEADER, AgentFailure, Channel, Reset, Rows, Step, decode, encode
+from shmvec.ray.channel import (
+    HEADER,
+    AgentFailure,
+    Channel,
+    Reset,
+    Rows,
+    Step,
+    accept,
+    decode,
+    encode,
+)
 
 
 def rows(n: int, obs: object, infos: list[dict] | None = None) -> Rows:
@@ -137,3 +149,28 @@ def test_receive_blocks_for_a_whole_message_and_raises_eof_when_the_peer_closes(
     assert server.receive()[0].env_ids.tolist() == [1]  # what was sent before the close
     with pytest.raises(EOFError):
         server.receive()
+
+
+def test_accept_turns_strangers_away_and_takes_the_driver():
+    """A connection with the wrong key, or one dropped mid-handshake, does not stop the
+    agent's listener from taking the driver's connection next; a closed one takes none."""
+    key = b"k" * 32
+    listener = Listener(("127.0.0.1", 0), authkey=key)
+    closed = threading.Event()
+    accepted: list = []
+    thread = threading.Thread(target=lambda: accepted.append(accept(listener, closed)), daemon=True)
+    thread.start()
+    with pytest.raises(AuthenticationError):
+        Client(listener.address, authkey=b"x" * 32)
+    socket.create_connection(listener.address).close()
+    driver = Channel(Client(listener.address, authkey=key))
+    thread.join(timeout=30)
+    agent = accepted[0]
+    assert isinstance(agent, Channel)
+    driver.send(Step(np.array([3]), np.array([1])))
+    assert agent.receive()[0].env_ids.tolist() == [1]
+    driver.close()
+    agent.close()
+
+    listener.close()  # the agent closed before the driver came
+    assert accept(listener, closed) is None

@@ -25,7 +25,6 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener
 from typing import Any
 
@@ -33,7 +32,7 @@ import gymnasium as gym
 import ray
 from gymnasium.vector.vector_env import AutoresetMode
 
-from shmvec.ray.channel import AgentFailure, Channel, Reset, Rows
+from shmvec.ray.channel import AgentFailure, Channel, Reset, Rows, accept
 from shmvec.row_infos import infos_by_row
 from shmvec.vector_env import ShmVectorEnv
 
@@ -132,10 +131,9 @@ class NodeAgent:
     def _accept(self) -> None:
         """Takes the driver's connection; then reads its commands (this thread) and
         starts the pump."""
-        try:
-            conn = Channel(self._listener.accept())
-        except (OSError, EOFError, AuthenticationError):
-            return  # closed before the driver connected, or a stranger
+        conn = accept(self._listener, self._closed)
+        if conn is None:
+            return  # closed before the driver connected
         self._conn = conn
         threading.Thread(target=self._pump, name="shmvec-agent-pump", daemon=True).start()
         while not self._closed.is_set():

@@ -20,13 +20,15 @@ import os
 import pickle
 import socket
 import struct
+import threading
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 import numpy as np
 
-__all__ = ["AgentFailure", "Channel", "Reset", "Rows", "Step"]
+__all__ = ["AgentFailure", "Channel", "Reset", "Rows", "Step", "accept"]
 
 #: A frame's header: the payload's length and its kind (below).
 HEADER = struct.Struct("<IB")
@@ -159,3 +161,18 @@ class Channel:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+
+
+def accept(listener: Listener, closed: threading.Event) -> Channel | None:
+    """The first connection to ``listener`` that passes its HMAC handshake, as a
+    ``Channel``: a stranger (a wrong key, a connection dropped mid-handshake) is turned
+    away and the next connection awaited. None if ``listener`` is closed (closing it does
+    not wake an ``accept`` that waits: call this in a daemon thread)."""
+    while True:
+        try:
+            return Channel(listener.accept())
+        except (AuthenticationError, EOFError, ConnectionError):
+            if closed.is_set():
+                return None
+        except OSError:
+            return None  # the listener was closed
