@@ -32,6 +32,14 @@ def rows(n: int, obs: object, infos: list[dict] | None = None) -> Rows:
     return Rows(batch, infos)
 
 
+def round_trip(message: object) -> object:
+    """``message`` encoded as a frame and decoded again; the header's size checked."""
+    frame = encode(message)
+    size, kind = HEADER.unpack_from(frame)
+    assert size == len(frame) - HEADER.size
+    return decode(kind, frame[HEADER.size :])
+
+
 def frames(messages: list) -> bytes:
     return b"".join(encode(m) for m in messages)
 
@@ -66,8 +74,7 @@ def assert_rows_equal(got: Rows, sent: Rows) -> None:
 )
 def test_rows_round_trip(obs):
     sent = rows(3, obs, [{}, {"score": 1}, {"tool": "calc", "t": 0.5}])
-    (kind,) = encode(sent)[4:5]
-    got = decode(kind, encode(sent)[HEADER.size :])
+    got = round_trip(sent)
     assert_rows_equal(got, sent)
     if isinstance(obs, dict):
         assert (
@@ -77,17 +84,12 @@ def test_rows_round_trip(obs):
 
 def test_steps_resets_and_failures_round_trip():
     for actions in (np.array([[0.5, -1.0], [2.0, 3.0]], np.float32), ["say 1", "say 2"]):
-        step = Step(actions, np.array([4, 1]))
-        got = decode(encode(step)[4], encode(step)[HEADER.size :])
+        got = round_trip(Step(actions, np.array([4, 1])))
         assert np.array_equal(got.actions, actions) and got.env_ids.tolist() == [4, 1]
         assert got.env_ids.dtype == np.int64
-    reset = Reset([None, 7], {"level": 2}, np.array([0, 1]))
-    got = decode(encode(reset)[4], encode(reset)[HEADER.size :])
+    got = round_trip(Reset([None, 7], {"level": 2}, np.array([0, 1])))
     assert got.seeds == [None, 7] and got.options == {"level": 2}
-    failure = decode(
-        encode(AgentFailure(ValueError("bad")))[4],
-        encode(AgentFailure(ValueError("bad")))[HEADER.size :],
-    )
+    failure = round_trip(AgentFailure(ValueError("bad")))
     assert isinstance(failure.error, ValueError) and str(failure.error) == "bad"
 
 

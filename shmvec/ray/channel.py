@@ -31,7 +31,7 @@ import numpy as np
 __all__ = ["AgentFailure", "Channel", "Reset", "Rows", "Step", "accept"]
 
 #: A frame's header: the payload's length and its kind (below).
-HEADER = struct.Struct("<IB")
+HEADER = struct.Struct("<QB")
 PICKLED, ROWS, STEP = 0, 1, 2
 #: The most one ``recv`` reads.
 RECV_BYTES = 1 << 20
