@@ -240,7 +240,7 @@ class ClusterVectorEnv(StepAPI):
         """Hands ``actions[i]`` to env ``env_ids[i]`` (default: the last ``recv``'s)."""
         ids = send_env_ids(env_ids, self._last_env_ids, self.num_envs)
         check_rows(self.single_action_space, actions, len(ids))
-        self._check_action_shape(actions)
+        _check_action_shape(self.single_action_space, actions)
         never = self._envs.never_reset(ids)
         if len(never):
             raise RuntimeError(
@@ -280,16 +280,6 @@ class ClusterVectorEnv(StepAPI):
             if len(go) or len(fresh):
                 routes.append((k, self.local_of[go], self.local_of[fresh]))
         return routes
-
-    def _check_action_shape(self, actions: Any) -> None:
-        space = self.single_action_space
-        if isinstance(space, ARRAY_SPACES):
-            shape = np.shape(actions)[1:]
-            if shape != space.shape:
-                raise ValueError(
-                    f"actions have rows of shape {shape}, the action space {space} has "
-                    f"{space.shape}"
-                )
 
     # ------------------------------------------------------------------- recv
 
@@ -491,3 +481,13 @@ def _check_layout(
         raise ValueError(f"group_size must divide num_envs={n}, got {group_size}")
     if env_tags is not None and len(env_tags) != n:
         raise ValueError(f"env_tags needs one tag per env ({n}), got {env_tags}")
+
+
+def _check_action_shape(space: gym.Space, actions: Any) -> None:
+    """A ValueError unless ``actions`` of an array ``space`` have rows of its shape."""
+    if isinstance(space, ARRAY_SPACES):
+        shape = np.shape(actions)[1:]
+        if shape != space.shape:
+            raise ValueError(
+                f"actions have rows of shape {shape}, the action space {space} has {space.shape}"
+            )
