@@ -97,6 +97,32 @@ def test_each_env_steps_as_on_one_machine(cluster):
         local.close()
 
 
+def test_bad_commands_raise_in_the_driver_and_the_envs_go_on(cluster):
+    """Each bad command raises in the main process naming what was wrong, before anything
+    reaches an agent; the envs then step as if it had never been sent."""
+    envs = make_cluster_env(cluster)
+    try:
+        with pytest.raises(RuntimeError, match=r"send\(\) before async_reset\(\): envs \[0, 1\]"):
+            envs.send(np.zeros(2, np.int64), np.array([0, 1]))
+        envs.async_reset(seed=3)
+        ids = envs.recv(timeout=60)[4]["env_id"]
+        with pytest.raises(ValueError, match=r"actions have rows of shape \(1,\)"):
+            envs.send(np.zeros((2, 1), np.int64), ids)
+        with pytest.raises(ValueError, match=r"env_ids \[99\] out of range \[0, 6\)"):
+            envs.send(np.zeros(2, np.int64), np.array([ids[0], 99]))
+        with pytest.raises(ValueError, match="has 1 rows, expected 2"):
+            envs.send(np.zeros(1, np.int64), ids)
+        envs.send(np.ones(2, np.int64), ids)
+        with pytest.raises(ValueError, match=r"are not awaiting a command"):
+            envs.send(np.ones(2, np.int64), ids)
+        got = set()
+        while len(got) < envs.num_envs:  # every env answers once: the resets and two steps
+            got |= set(envs.recv(timeout=60, partial=True)[4]["env_id"].tolist())
+        assert got == set(range(envs.num_envs))
+    finally:
+        envs.close()
+
+
 MODES = [
     pytest.param(AutoresetMode.NEXT_STEP, id="next_step"),
     pytest.param(AutoresetMode.SAME_STEP, id="same_step"),
