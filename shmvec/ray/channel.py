@@ -93,7 +93,7 @@ def encode(message: Any) -> bytes:
     return HEADER.pack(len(payload), kind) + payload
 
 
-def decode(kind: int, payload: bytes) -> Any:
+def decode(kind: int, payload: bytes | bytearray) -> Any:
     """The message of one frame (``encode``'s inverse; every array writable)."""
     body = pickle.loads(payload)
     if kind == ROWS:
@@ -152,7 +152,7 @@ class Channel:
             end = start + HEADER.size + size
             if len(buffer) < end:
                 break
-            messages.append(decode(kind, bytes(buffer[start + HEADER.size : end])))
+            messages.append(decode(kind, buffer[start + HEADER.size : end]))  # one copy
             start = end
         del buffer[:start]
         return messages

@@ -267,9 +267,6 @@ class ClusterVectorEnv(StepAPI):
         autoreset = self.autoreset_mode is not AutoresetMode.DISABLED
         for k in np.unique(agents).tolist():
             mine, state = ids[agents == k], self._members.state(k)
-            if not reset and state is SlotState.LIVE and not self._envs.stale[mine].any():
-                routes.append((k, self.local_of[mine], mine[:0]))  # the common case
-                continue
             refused = self._envs.refused(mine, reset, state, autoreset)
             if refused.any():
                 self._envs.lost_rows(mine[refused], self._members.slots[k].reason)
