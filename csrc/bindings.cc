@@ -11,6 +11,7 @@
 #include <system_error>
 
 #include "barrier.h"
+#include "frame_reader.h"
 #include "futex.h"
 #include "result_ring.h"
 #include "segment.h"
@@ -261,6 +262,37 @@ exposed for tests; the workers call them from Cython.
           py::arg("last"), py::arg("timeout_ns"))
       .def("set_spin", set_spin_of(&PyDoorbell::bell), py::arg("cap_ns"),
            py::arg("adaptive"), kSetSpinDoc);
+
+  py::class_<shmvec::FrameReader>(m, "FrameReader", R"doc(
+One thread reading the frames of many sockets (csrc/frame_reader.h): a frame is a
+13-byte header (payload length u64, kind u8, rows u32) and its payload; ``wait``
+returns once the frames in hold the rows asked for, one is not a rows frame (kind 1)
+or a socket ended.)doc")
+      .def(py::init<>())
+      .def("add", &shmvec::FrameReader::add, py::arg("fd"), py::arg("slot"),
+           "Reads socket `fd` (a dup of it) as slot `slot`.")
+      .def("remove", &shmvec::FrameReader::remove, py::arg("slot"),
+           "Stops reading slot `slot`; drops its frames not yet taken.")
+      .def(
+          "wait",
+          [](shmvec::FrameReader& r, uint32_t rows, int64_t timeout_ns) {
+            std::vector<int64_t> ended;
+            std::vector<shmvec::Frame> frames;
+            {
+              py::gil_scoped_release release;
+              frames = r.wait(rows, timeout_ns, &ended);
+            }
+            py::list out(frames.size());
+            for (size_t i = 0; i < frames.size(); ++i) {
+              auto& f = frames[i];
+              out[i] = py::make_tuple(f.slot, f.kind, py::bytes(f.payload));
+            }
+            return py::make_tuple(out, py::cast(ended));
+          },
+          py::arg("rows"), py::arg("timeout_ns"),
+          "Waits up to `timeout_ns` (< 0: no limit) for frames of `rows` rows, a frame "
+          "of another kind or a socket's end: ([(slot, kind, payload)], [ended slots]).")
+      .def("close", &shmvec::FrameReader::close, "Stops the thread (idempotent).");
 
   // Raw word operations, for tests of the futex layer across processes.
   m.def(

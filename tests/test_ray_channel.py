@@ -1,17 +1,20 @@
-"""The cluster channel's frames (shmvec/ray/channel.py): every message type comes back
-as it was sent, whole, in order, however the bytes are cut on their way; nothing needs Ray."""
+"""The cluster channel's frames (shmvec/ray/channel.py) and the driver's reader of them
+(``_core.FrameReader``): every message type comes back as it was sent, whole, in order,
+however the bytes are cut on their way; the reader wakes its waiter once the rows it
+waits for are in, at once for anything else; nothing needs Ray."""
 
 from __future__ import annotations
 
-import selectors
 import socket
 import threading
+import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Listener
 
 import numpy as np
 import pytest
 
+from shmvec._core import FrameReader
 from shmvec.ray.channel import (
     HEADER,
     AgentFailure,
@@ -35,8 +38,12 @@ def rows(n: int, obs: object, infos: list[dict] | None = None) -> Rows:
 def round_trip(message: object) -> object:
     """``message`` encoded as a frame and decoded again; the header's size checked."""
     frame = encode(message)
-    size, kind = HEADER.unpack_from(frame)
+    size, kind, rows = HEADER.unpack_from(frame)
     assert size == len(frame) - HEADER.size
+    if isinstance(message, Rows):  # the rows a driver's FrameReader counts
+        assert rows == len(message.batch[4]["env_id"])
+    else:
+        assert rows == (len(message.env_ids) if isinstance(message, Step) else 0)
     return decode(kind, frame[HEADER.size :])
 
 
@@ -109,32 +116,127 @@ def pair():
     listener.close()
 
 
-def test_messages_arrive_whole_and_in_order_however_the_bytes_are_cut(pair):
-    """Frames sent in pieces cut anywhere (a header in two, a 5.6 MB observation over many
-    reads) come out whole once their last byte is in, read as the driver reads them (a
-    selector, then one ``recv``); several frames in one read come out together."""
-    client, server = pair
+def read_all(reader: FrameReader, count: int, timeout_s: float = 30) -> tuple[list, list]:
+    """``count`` frames (fewer if ``timeout_s`` runs out) and the slots that ended."""
+    frames: list = []
+    ended: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(frames) < count and time.monotonic() < deadline:
+        got, gone = reader.wait(1_000_000, int(0.2e9))
+        frames += got
+        ended += gone
+    return frames, ended
+
+
+@pytest.fixture
+def reader():
+    reader = FrameReader()
+    yield reader
+    reader.close()
+
+
+def test_messages_arrive_whole_and_in_order_however_the_bytes_are_cut(reader):
+    """Three channels' frames, sent at once in pieces cut anywhere (a header in two, a
+    5.6 MB observation over many reads), come out of the driver's reader whole once their
+    last byte is in, each channel's in the order sent; each names its channel."""
     seed = 20261202
     rng = np.random.default_rng(seed)
-    sent = [
-        rows(2, np.full((2, 350_000), i, np.float64))
-        if i % 7 == 3
-        else rows(1 + i % 4, ("t",) * (1 + i % 4))
-        for i in range(40)
-    ]
-    data = np.frombuffer(frames(sent), np.uint8)
-    pieces = np.split(data, np.sort(rng.choice(len(data), size=60, replace=False)))
-    sender = threading.Thread(target=lambda: [client.sock.sendall(p.tobytes()) for p in pieces])
+    pairs = [socket.socketpair() for _ in range(3)]
+    sent = {}
+    senders = []
+    for slot, (ours, theirs) in enumerate(pairs):
+        reader.add(ours.fileno(), slot)
+        sent[slot] = [
+            rows(2, np.full((2, 350_000), i, np.float64))
+            if i % 7 == 3
+            else rows(1 + i % 4, ("t",) * (1 + i % 4))
+            for i in range(slot * 5, slot * 5 + 30)
+        ]
+        data = np.frombuffer(frames(sent[slot]), np.uint8)
+        pieces = np.split(data, np.sort(rng.choice(len(data), size=60, replace=False)))
+        senders.append(threading.Thread(
+            target=lambda sock=theirs, pieces=pieces: [sock.sendall(p.tobytes()) for p in pieces]
+        ))  # fmt: skip
+    for sender in senders:
+        sender.start()
+    got, ended = read_all(reader, sum(len(m) for m in sent.values()))
+    for sender in senders:
+        sender.join()
+    assert not ended, f"seed {seed}"
+    for slot, messages in sent.items():
+        mine = [decode(kind, payload) for k, kind, payload in got if k == slot]
+        assert len(mine) == len(messages), f"seed {seed}"
+        for a, b in zip(mine, messages):
+            assert_rows_equal(a, b)
+    for ours, theirs in pairs:
+        ours.close()
+        theirs.close()
+
+
+def test_the_reader_waits_for_the_rows_asked_for(reader):
+    """Frames of fewer rows than asked for are held until the timeout (the waiter is not
+    woken per message); once the rows are in, the wait ends with every frame in."""
+    ours, theirs = socket.socketpair()
+    reader.add(ours.fileno(), 7)
+    for n in (1, 2):
+        theirs.sendall(encode(rows(n, ("o",) * n)))
+    began = time.monotonic()
+    got, ended = reader.wait(5, int(0.3e9))
+    assert time.monotonic() - began >= 0.25  # 3 rows of 5: it waited out its timeout
+    assert [(k, len(decode(kind, p).batch[1])) for k, kind, p in got] == [(7, 1), (7, 2)]
+    assert ended == []
+    sender = threading.Timer(0.1, lambda: theirs.sendall(frames([rows(2, ("a", "b"))] * 3)))
     sender.start()
-    got: list = []
-    with selectors.DefaultSelector() as selector:
-        selector.register(server, selectors.EVENT_READ)
-        while len(got) < len(sent) and selector.select(timeout=30):
-            got += server.receive(block=False)
+    began = time.monotonic()
+    got, _ = reader.wait(5, int(60e9))
     sender.join()
-    assert len(got) == len(sent), f"seed {seed}"
-    for a, b in zip(got, sent):
-        assert_rows_equal(a, b)
+    assert time.monotonic() - began < 30  # 6 rows came: it did not wait for its 60 s
+    assert sum(len(decode(kind, p).batch[1]) for _, kind, p in got) == 6
+    ours.close()
+    theirs.close()
+
+
+def test_a_failure_or_a_channel_s_end_wakes_the_waiter_at_once(reader):
+    """A frame that is not a rows frame (an agent's failure) ends a wait for rows at
+    once; so does a channel's end, reported after the frames sent before it."""
+    ours, theirs = socket.socketpair()
+    reader.add(ours.fileno(), 0)
+    threading.Timer(0.1, lambda: theirs.sendall(encode(AgentFailure(ValueError("bad"))))).start()
+    began = time.monotonic()
+    got, _ = reader.wait(1000, int(60e9))
+    assert time.monotonic() - began < 30
+    assert isinstance(decode(got[0][1], got[0][2]), AgentFailure)
+    theirs.sendall(encode(rows(1, ("last",))))
+    threading.Timer(0.1, theirs.close).start()
+    got, ended = read_all(reader, 1)
+    while not ended:
+        more, ended = reader.wait(1000, int(60e9))
+        got += more
+    assert ended == [0] and decode(got[0][1], got[0][2]).batch[0] == ("last",)
+    ours.close()
+
+
+def test_a_removed_channel_s_frames_are_dropped_and_its_slot_can_be_read_again(reader):
+    first, peer = socket.socketpair()
+    reader.add(first.fileno(), 3)
+    with pytest.raises(ValueError, match="read already"):
+        reader.add(first.fileno(), 3)
+    peer.sendall(frames([rows(1, ("old",))] * 4))
+    time.sleep(0.2)  # the reader takes them in
+    reader.remove(3)
+    first.close()
+    peer.close()
+    assert reader.wait(1, int(0.2e9)) == ([], [])  # neither its frames nor its end
+    second, peer = socket.socketpair()
+    reader.add(second.fileno(), 3)
+    peer.sendall(encode(rows(1, ("new",))))
+    got, _ = read_all(reader, 1)
+    assert [decode(kind, p).batch[0] for _, kind, p in got] == [("new",)]
+    second.close()
+    peer.close()
+    reader.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        reader.wait(1, 0)
 
 
 def test_receive_blocks_for_a_whole_message_and_raises_eof_when_the_peer_closes(pair):

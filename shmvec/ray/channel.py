@@ -9,8 +9,10 @@ Why not Ray calls: on one simulated node a Ray actor call costs the driver ~770 
 a message and a streaming generator ~400 us, a ``multiprocessing.connection`` ~37 us
 (``dev/ray_channels.py``, docs/benchmarks/data/2026-12-02-2vcpu-ray-channels.txt).
 Why frames of its own: a reader takes every message that is in with one ``recv`` (no poll
-per message), and a step's rows and actions travel as one packed buffer of columns
-beside their observations, not as a pickle of five arrays.
+per message); the driver reads all its channels in one native thread (``_core.FrameReader``,
+csrc/frame_reader.h) that wakes it once the rows its ``recv`` waits for are in, not once
+per message (each message carries a row or two); and a step's rows and actions travel as
+one packed buffer of columns beside their observations, not as a pickle of five arrays.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import numpy as np
 
 __all__ = ["AgentFailure", "Channel", "Reset", "Rows", "Step", "accept"]
 
-#: A frame's header: the payload's length and its kind (below).
-HEADER = struct.Struct("<QB")
+#: A frame's header: the payload's length, its kind (below) and the rows it carries (a
+#: ``Rows``' or ``Step``'s; 0 for the rest), as the driver's ``FrameReader`` reads it.
+HEADER = struct.Struct("<QBI")
 PICKLED, ROWS, STEP = 0, 1, 2
 #: The most one ``recv`` reads.
 RECV_BYTES = 1 << 20
@@ -84,13 +87,14 @@ def encode(message: Any) -> bytes:
             for column, dtype in ((ids, np.int64), (rewards, np.float64),
                                   (terminations, np.bool_), (truncations, np.bool_))
         )  # fmt: skip
-        kind, body = ROWS, (obs, len(ids), columns, message.row_infos)
+        kind, rows, body = ROWS, len(ids), (obs, len(ids), columns, message.row_infos)
     elif isinstance(message, Step):
-        kind, body = STEP, (message.actions, np.asarray(message.env_ids, np.int64).tobytes())
+        ids = np.asarray(message.env_ids, np.int64)
+        kind, rows, body = STEP, len(ids), (message.actions, ids.tobytes())
     else:
-        kind, body = PICKLED, message
+        kind, rows, body = PICKLED, 0, message
     payload = pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(payload), kind) + payload
+    return HEADER.pack(len(payload), kind, rows) + payload
 
 
 def decode(kind: int, payload: bytes | bytearray) -> Any:
@@ -131,24 +135,24 @@ class Channel:
         """Sends ``message``; OSError if the peer is gone."""
         self.sock.sendall(encode(message))
 
-    def receive(self, block: bool = True) -> list[Any]:
-        """The messages that are in, in order: waits for one (``block``), or reads once
-        (after a selector said the socket is readable; [] if a message is still partly
-        on its way). EOFError once the peer closed its end."""
+    def receive(self) -> list[Any]:
+        """The messages that are in, in order, once one is whole (the agent's reader;
+        the driver reads its channels with a ``FrameReader``). EOFError once the peer
+        closed its end."""
         while True:
             chunk = self.sock.recv(RECV_BYTES)
             if not chunk:
                 raise EOFError("the channel's peer closed it")
             self._buffer += chunk
             messages = self._frames()
-            if messages or not block:
+            if messages:
                 return messages
 
     def _frames(self) -> list[Any]:
         """Takes the whole frames off the front of the buffer."""
         buffer, start, messages = self._buffer, 0, []
         while len(buffer) - start >= HEADER.size:
-            size, kind = HEADER.unpack_from(buffer, start)
+            size, kind, _ = HEADER.unpack_from(buffer, start)
             end = start + HEADER.size + size
             if len(buffer) < end:
                 break

@@ -300,7 +300,7 @@ class ClusterVectorEnv(StepAPI):
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            self._poll(left)
+            self._poll(left, need - rows.count)
         if not rows.count or (rows.count < need and not take_ready):
             raise multiprocessing.TimeoutError(
                 f"The call to `recv` has timed out after {timeout} second(s): "
@@ -314,10 +314,11 @@ class ClusterVectorEnv(StepAPI):
         self._assert_is_running()
         self._poll(timeout)
 
-    def _poll(self, timeout: float | None) -> None:
-        """Waits up to ``timeout`` for any agent's call; takes in every call that ended."""
+    def _poll(self, timeout: float | None, rows: int = 1) -> None:
+        """Waits up to ``timeout`` for ``rows`` rows or any agent's call; takes in what
+        came by then."""
         self._check_drains()
-        for event in self._members.wait(timeout):
+        for event in self._members.wait(timeout, rows):
             self._handle(event)
 
     def _handle(self, event: Event) -> None:

@@ -20,7 +20,6 @@ import contextlib
 import enum
 import logging
 import secrets
-import selectors
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from shmvec.errors import add_note
 from shmvec.ray.agent import AGENT_CONCURRENCY, RemoteNodeAgent
-from shmvec.ray.channel import AgentFailure, Channel, Rows
+from shmvec._core import FrameReader
+from shmvec.ray.channel import AgentFailure, Channel, Rows, decode
 
 __all__ = ["Event", "Members", "SlotState"]
 
@@ -108,7 +108,7 @@ class Members:
         self.restarts = restarts
         self.authkey = secrets.token_bytes(32)  # the channels' HMAC key
         self._next_check = 0.0
-        self._channels = selectors.DefaultSelector()  # each live slot's channel -> slot
+        self._reader = FrameReader()  # reads each live slot's channel, as slot k
         pins = [None] * len(blocks) if node_ids is None else node_ids
         self.slots = [
             Slot(block, "SPREAD" if pin is None else NodeAffinitySchedulingStrategy(pin, False))
@@ -175,10 +175,11 @@ class Members:
         with contextlib.suppress(OSError):
             conn.send(message)
 
-    def wait(self, timeout: float | None) -> list[Event]:
-        """Waits up to ``timeout`` (at most ``RAY_CHECK_S`` while agents run) for rows on
-        any channel or any Ray call's end; the events of what came by then."""
-        if not self._channels.get_map():
+    def wait(self, timeout: float | None, rows: int = 1) -> list[Event]:
+        """Waits up to ``timeout`` (at most ``RAY_CHECK_S`` while agents run) for ``rows``
+        rows from the channels (or any other message, or a channel's end) or any Ray
+        call's end; the events of what came by then."""
+        if not any(slot.conn is not None for slot in self.slots):
             return self._ray_events(timeout)
         now = time.monotonic()
         events = []
@@ -186,27 +187,18 @@ class Members:
             self._next_check = now + RAY_CHECK_S
             events = self._ray_events(0)
         limit = self._next_check - now if timeout is None else min(timeout, self._next_check - now)
-        for key, _ in self._channels.select(0 if events else max(0.0, limit)):
-            events += self._read(key.data)
-        return events
-
-    def _read(self, k: int) -> list[Event]:
-        """Every message that is in on slot ``k``'s channel."""
-        slot = self.slots[k]
-        conn = slot.conn
-        assert conn is not None
-        try:
-            messages = conn.receive(block=False)
-        except (EOFError, OSError):
-            reason = f"{self.name(k)} was lost: its channel closed (the agent's process ended)"
-            return [Event("lost", k, reason)]
-        events = []
-        for message in messages:
+        wait_ns = 0 if events else max(0, int(limit * 1e9))
+        frames, ended = self._reader.wait(max(1, rows), wait_ns)
+        for k, kind, payload in frames:
+            message = decode(kind, payload)
             if isinstance(message, AgentFailure):
                 add_note(message.error, f"in shmvec {self.name(k)}")
                 raise message.error
             assert isinstance(message, Rows)
             events.append(Event("rows", k, (message.batch, message.row_infos)))
+        for k in ended:
+            reason = f"{self.name(k)} was lost: its channel closed (the agent's process ended)"
+            events.append(Event("lost", k, reason))
         return events
 
     def _ray_events(self, timeout: float | None) -> list[Event]:
@@ -246,7 +238,7 @@ class Members:
         slot.node_id = description["node_id"]
         try:
             slot.conn = Channel(Client(description["address"], authkey=self.authkey))
-            self._channels.register(slot.conn, selectors.EVENT_READ, k)
+            self._reader.add(slot.conn.fileno(), k)
         except (OSError, EOFError) as exc:
             self.lost(k, f"{self.name(k)} was lost: its channel did not open ({exc!r})")
             return False
@@ -316,8 +308,7 @@ class Members:
     def _hang_up(self, k: int) -> None:
         slot = self.slots[k]
         if slot.conn is not None:
-            with contextlib.suppress(KeyError, ValueError):
-                self._channels.unregister(slot.conn)
+            self._reader.remove(k)  # with its rows not taken yet
             slot.conn.close()
             slot.conn = None
 
@@ -356,6 +347,7 @@ class Members:
                 if slot.actor is not None:
                     ray.kill(slot.actor)
             slot.actor, slot.state, slot.ref = None, SlotState.VACANT, None
+        self._reader.close()
 
 
 def first_line(exc: BaseException) -> str:
