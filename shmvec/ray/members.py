@@ -32,9 +32,9 @@ from gymnasium.vector.vector_env import AutoresetMode
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from shmvec._core import FrameReader
 from shmvec.errors import add_note
 from shmvec.ray.agent import AGENT_CONCURRENCY, RemoteNodeAgent
-from shmvec._core import FrameReader
 from shmvec.ray.channel import AgentFailure, Channel, Rows, decode
 
 __all__ = ["Event", "Members", "SlotState"]
