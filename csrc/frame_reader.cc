@@ -159,13 +159,15 @@ void FrameReader::run() {
 }
 
 void FrameReader::read_source(int64_t slot, Source& source) {
-  char chunk[kReadBytes];
+  std::string& buffer = source.buffer;
   bool end = false;
-  while (true) {
-    ssize_t got = recv(source.fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+  while (true) {  // straight into the buffer's tail: one copy on the way to a frame
+    size_t had = buffer.size();
+    buffer.resize(had + kReadBytes);
+    ssize_t got = recv(source.fd, &buffer[had], kReadBytes, MSG_DONTWAIT);
+    buffer.resize(had + (got > 0 ? static_cast<size_t>(got) : 0));
     if (got > 0) {
-      source.buffer.append(chunk, static_cast<size_t>(got));
-      if (static_cast<size_t>(got) < sizeof(chunk)) break;  // nothing more now
+      if (static_cast<size_t>(got) < kReadBytes) break;  // nothing more now
       continue;
     }
     if (got < 0 && errno == EINTR) continue;
@@ -173,7 +175,6 @@ void FrameReader::read_source(int64_t slot, Source& source) {
     end = true;  // EOF, or the connection failed
     break;
   }
-  std::string& buffer = source.buffer;
   size_t start = 0;
   while (buffer.size() - start >= kHeaderBytes) {
     const char* header = buffer.data() + start;
